@@ -1,0 +1,1 @@
+//! Sampling: turns a position's logits into the next token.

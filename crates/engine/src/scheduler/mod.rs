@@ -1,0 +1,1 @@
+//! The scheduler: continuous batching of sequences over a [`crate::model::CausalLm`].

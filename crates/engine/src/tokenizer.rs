@@ -1,0 +1,1 @@
+//! Tokenizer: the checkpoint's `tokenizer.json` through the `tokenizers` crate.
