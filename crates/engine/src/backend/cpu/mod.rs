@@ -8,6 +8,7 @@ pub mod attention;
 pub mod delta_rule;
 pub mod matmul;
 pub mod ops;
+pub mod roofline;
 pub mod simd;
 
 use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Runs every test of Capy Flash on a fresh Debian/Ubuntu machine (no GPU needed):
+# installs what the tests need (Debian packages, a Python venv with the official OpenAI and
+# Anthropic SDKs and NVIDIA's NVRTC wheel), then runs the Rust tests, lints, and the API tests
+# against a real server. GPU execution tests skip with a printed reason where no driver exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+say() { printf '\n== %s\n' "$*"; }
+
+if ! command -v cargo >/dev/null; then
+  echo "cargo not found: install a Rust toolchain (https://rustup.rs) and run again" >&2
+  exit 1
+fi
+
+say "system packages"
+need_apt=()
+command -v cc >/dev/null || need_apt+=(build-essential)
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+python3 -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
+command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+say "python test environment"
+venv="$root/target/test-venv"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install -q --disable-pip-version-check -r tests/requirements.txt
+# NVRTC from NVIDIA's wheel lets CI compile every CUDA kernel without a GPU or toolkit.
+nvrtc=$(find "$venv" -name 'libnvrtc.so*' -not -name '*builtins*' 2>/dev/null | sort | head -n 1 || true)
+if [ -n "$nvrtc" ]; then
+  export CAPY_NVRTC_LIB="$nvrtc"
+  echo "NVRTC for kernel compile tests: $nvrtc"
+fi
+export CAPY_TEST_PYTHON="$venv/bin/python"
+export CAPY_CACHE_DIR="$root/target/capy-cache"
+
+say "format"
+cargo fmt --all -- --check
+
+say "rust tests"
+cargo test --workspace --all-targets
+
+say "clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+if [ -d tests/api ]; then
+  say "API tests with the official openai and anthropic SDKs"
+  cargo build -p capy-flash
+  CAPY_BIN="$root/target/debug/capy-flash" "$venv/bin/python" -m pytest -q tests/api
+fi
+say "all tests passed"
