@@ -52,6 +52,30 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// Shapes of one Qwen Sparse Attention call: the indexer heads and the token budget.
+#[derive(Debug, Clone, Copy)]
+pub struct QsaShape {
+    pub index_heads: usize,
+    pub index_head_dim: usize,
+    /// Blocks each query selects (`budget / compress_ratio`).
+    pub block_topk: usize,
+    pub compress_ratio: usize,
+}
+
+/// Router decisions for a batch: row `r` goes to experts `experts[r·k..(r+1)·k]` with `weights`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeRouting {
+    pub top_k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// One routed expert: fused `gate ‖ up` `[2I, H]` and `down` `[H, I]`.
+pub struct ExpertMatrices<M> {
+    pub gate_up: M,
+    pub down: M,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// Activations: `[rows, cols]` f32, row-major.
     type Act: Clone + Send + Sync;
@@ -128,4 +152,118 @@ pub trait Backend: Send + Sync + 'static {
         shape: DeltaRuleShape,
         mode: DeltaRuleMode,
     ) -> Self::Act;
+
+    // --- Flash-Next (qwen4_exp_text) ops ---
+    // Each has a default that runs the CPU reference on host copies, so a backend works before
+    // it has its own kernel; the CPU backend overrides them without the copies.
+
+    /// Multiplies every row by `scale` (`[1, cols]`), e.g. the per-column `(1 + w)` of the
+    /// hyper-connection norms, whose weight spans all streams.
+    fn scale_cols(&self, x: &Self::Act, scale: &Self::Act) -> Self::Act {
+        let (rows, cols) = self.shape(x);
+        self.from_host(rows, cols, &cpu::hyper::scale_cols(&self.to_host(x), &self.to_host(scale)))
+    }
+    /// `silu(x · scale)`.
+    fn silu_scaled(&self, x: &Self::Act, scale: f32) -> Self::Act {
+        let (rows, cols) = self.shape(x);
+        self.from_host(rows, cols, &cpu::hyper::silu_scaled(&self.to_host(x), scale))
+    }
+    /// Hyper-connection read-out: the mean over `streams` of `sigmoid(mix) · normed`, both
+    /// `[n, streams·h]`; returns `[n, h]`.
+    fn hc_mix(&self, normed: &Self::Act, mix_logits: &Self::Act, streams: usize) -> Self::Act {
+        let (rows, cols) = self.shape(normed);
+        let out = cpu::hyper::hc_mix(&self.to_host(normed), &self.to_host(mix_logits), rows, cols / streams, streams);
+        self.from_host(rows, cols / streams, &out)
+    }
+    /// Hyper-connection write-back: `residual [n, s·h] + out [n, h] · 2·sigmoid(logit_s / s)` per
+    /// stream `s`, with `inject_logits` `[n, s]`.
+    fn hc_inject(&self, residual: &Self::Act, out: &Self::Act, inject_logits: &Self::Act, streams: usize) -> Self::Act {
+        let (rows, cols) = self.shape(residual);
+        let host = cpu::hyper::hc_inject(
+            &self.to_host(residual),
+            &self.to_host(out),
+            &self.to_host(inject_logits),
+            rows,
+            cols / streams,
+            streams,
+        );
+        self.from_host(rows, cols, &host)
+    }
+    /// PLE gate: per stream `g = <key_s, query_s> / sqrt(h)`, signed square root, then
+    /// `sigmoid(g) · value`; `key`, `query` `[n, s·h]`, `value` `[n, h]` → `[n, s·h]`.
+    fn ple_gate(&self, key: &Self::Act, query: &Self::Act, value: &Self::Act, streams: usize) -> Self::Act {
+        let (rows, cols) = self.shape(key);
+        let host = cpu::hyper::ple_gate(
+            &self.to_host(key),
+            &self.to_host(query),
+            &self.to_host(value),
+            rows,
+            cols / streams,
+            streams,
+        );
+        self.from_host(rows, cols, &host)
+    }
+    /// Mean of each consecutive group of `group` rows: `[rows / group, cols]` (QSA key blocks).
+    fn mean_pool_rows(&self, x: &Self::Act, group: usize) -> Self::Act {
+        let (rows, cols) = self.shape(x);
+        self.from_host(rows / group, cols, &cpu::qsa::mean_pool_rows(&self.to_host(x), cols, group))
+    }
+    /// Qwen Sparse Attention of one sequence: each new query (at position `past + i`) attends to
+    /// the `block_topk` complete key blocks its indexer query `index_q` `[n, index_heads·d]`
+    /// scores highest against `block_keys` `[complete blocks, d]` (pooled, normed, rotated), plus
+    /// the tail after the last complete block; exactly dense attention while the blocks fit.
+    #[allow(clippy::too_many_arguments)]
+    fn qsa_attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        index_q: &Self::Act,
+        block_keys: &Self::Act,
+        past: usize,
+        shape: AttentionShape,
+        qsa: QsaShape,
+    ) -> Self::Act {
+        let (n, _) = self.shape(q);
+        let out = cpu::qsa::qsa_attention(
+            &self.to_host(q),
+            &self.to_host(k),
+            &self.to_host(v),
+            &self.to_host(index_q),
+            &self.to_host(block_keys),
+            n,
+            past,
+            shape,
+            qsa,
+        );
+        self.from_host(n, shape.num_heads * shape.head_dim, &out)
+    }
+    /// MoE router: softmax over `logits` `[n, experts]`, the `top_k` largest, renormalised to sum
+    /// to 1 when `normalize`.
+    fn moe_route(&self, logits: &Self::Act, top_k: usize, normalize: bool) -> MoeRouting {
+        let (_, experts) = self.shape(logits);
+        cpu::moe::route(&self.to_host(logits), experts, top_k, normalize)
+    }
+    /// Routed experts: row `r` gets `Σ_j w_j · down_e(silu(gate_e x) · up_e x)` over its routed
+    /// experts `e`. The default runs each hit expert on its rows through [`Backend::linear`].
+    fn moe_experts(&self, x: &Self::Act, routing: &MoeRouting, experts: &[ExpertMatrices<Self::Matrix>]) -> Self::Act {
+        let (rows, hidden) = self.shape(x);
+        let mut out = vec![0f32; rows * hidden];
+        for (e, rows_of_e) in cpu::moe::rows_per_expert(routing, experts.len()).iter().enumerate() {
+            if rows_of_e.is_empty() {
+                continue;
+            }
+            let picked: Vec<Self::Act> = rows_of_e.iter().map(|&(r, _)| self.rows(x, r..r + 1)).collect();
+            let gu = self.linear(&self.cat_rows(&picked), &experts[e].gate_up);
+            let inter = self.shape(&gu).1 / 2;
+            let act = self.silu_mul(&self.cols(&gu, 0..inter), &self.cols(&gu, inter..2 * inter));
+            let y = self.to_host(&self.linear(&act, &experts[e].down));
+            for (i, &(r, w)) in rows_of_e.iter().enumerate() {
+                for (o, v) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(&y[i * hidden..(i + 1) * hidden]) {
+                    *o += w * v;
+                }
+            }
+        }
+        self.from_host(rows, hidden, &out)
+    }
 }

@@ -6,12 +6,15 @@
 
 pub mod attention;
 pub mod delta_rule;
+pub mod hyper;
 pub mod matmul;
+pub mod moe;
 pub mod ops;
+pub mod qsa;
 pub mod roofline;
 pub mod simd;
 
-use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
+use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, ExpertMatrices, MoeRouting, NormScale, QsaShape};
 use crate::tensor::HostTensor;
 use anyhow::Result;
 pub use matmul::CpuMatrix;
@@ -188,5 +191,51 @@ impl Backend for CpuBackend {
         let n = q.rows;
         let out = delta_rule::gated_delta_rule(&q.data, &k.data, &v.data, &g.data, &beta.data, &mut state.data, n, shape, mode);
         CpuTensor::new(n, shape.num_v_heads * shape.v_head_dim, out)
+    }
+
+    // Flash-Next ops: the same functions as the trait's defaults, without the host copies.
+    fn scale_cols(&self, x: &CpuTensor, scale: &CpuTensor) -> CpuTensor {
+        assert_eq!(scale.data.len(), x.cols, "scale_cols: {} scales for {} columns", scale.data.len(), x.cols);
+        CpuTensor::new(x.rows, x.cols, hyper::scale_cols(&x.data, &scale.data))
+    }
+    fn silu_scaled(&self, x: &CpuTensor, scale: f32) -> CpuTensor {
+        CpuTensor::new(x.rows, x.cols, hyper::silu_scaled(&x.data, scale))
+    }
+    fn hc_mix(&self, normed: &CpuTensor, mix_logits: &CpuTensor, streams: usize) -> CpuTensor {
+        let h = normed.cols / streams;
+        CpuTensor::new(normed.rows, h, hyper::hc_mix(&normed.data, &mix_logits.data, normed.rows, h, streams))
+    }
+    fn hc_inject(&self, residual: &CpuTensor, out: &CpuTensor, inject_logits: &CpuTensor, streams: usize) -> CpuTensor {
+        let h = residual.cols / streams;
+        let data = hyper::hc_inject(&residual.data, &out.data, &inject_logits.data, residual.rows, h, streams);
+        CpuTensor::new(residual.rows, residual.cols, data)
+    }
+    fn ple_gate(&self, key: &CpuTensor, query: &CpuTensor, value: &CpuTensor, streams: usize) -> CpuTensor {
+        let h = key.cols / streams;
+        CpuTensor::new(key.rows, key.cols, hyper::ple_gate(&key.data, &query.data, &value.data, key.rows, h, streams))
+    }
+    fn mean_pool_rows(&self, x: &CpuTensor, group: usize) -> CpuTensor {
+        CpuTensor::new(x.rows / group, x.cols, qsa::mean_pool_rows(&x.data, x.cols, group))
+    }
+    fn qsa_attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        index_q: &CpuTensor,
+        block_keys: &CpuTensor,
+        past: usize,
+        shape: AttentionShape,
+        qsa_shape: QsaShape,
+    ) -> CpuTensor {
+        let out =
+            qsa::qsa_attention(&q.data, &k.data, &v.data, &index_q.data, &block_keys.data, q.rows, past, shape, qsa_shape);
+        CpuTensor::new(q.rows, shape.num_heads * shape.head_dim, out)
+    }
+    fn moe_route(&self, logits: &CpuTensor, top_k: usize, normalize: bool) -> MoeRouting {
+        moe::route(&logits.data, logits.cols, top_k, normalize)
+    }
+    fn moe_experts(&self, x: &CpuTensor, routing: &MoeRouting, experts: &[ExpertMatrices<CpuMatrix>]) -> CpuTensor {
+        CpuTensor::new(x.rows, x.cols, moe::experts_forward(&x.data, x.cols, routing, experts))
     }
 }
