@@ -235,7 +235,9 @@ impl TextConfig {
                     "linear_attention" => Ok(LayerType::LinearAttention),
                     // Flash-Next names its attention layers after QSA; the model file decides
                     // what they compute.
-                    "full_attention" | "sparse_attention" | "qsa" => Ok(LayerType::FullAttention),
+                    "full_attention" | "sparse_attention" | "qsa" | "qwen_sparse_attention" => {
+                        Ok(LayerType::FullAttention)
+                    }
                     other => bail!("layer_types[{i}] is \"{other}\"; expected \"linear_attention\" or \"full_attention\""),
                 })
                 .collect::<Result<Vec<_>>>()?,
@@ -347,6 +349,9 @@ impl TextConfig {
         if self.architecture == Architecture::Qwen3_5Text && self.intermediate_size == 0 {
             bail!("intermediate_size must be positive for a dense qwen3_5_text model");
         }
+        if self.architecture == Architecture::Qwen4ExpText {
+            self.qwen4_exp()?;
+        }
         Ok(())
     }
 
@@ -364,6 +369,309 @@ impl TextConfig {
     }
     pub fn linear_value_dim(&self) -> usize {
         self.linear_num_value_heads * self.linear_value_head_dim
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Qwen3.8-Flash-Next (`qwen4_exp_text`) specific fields
+
+/// Activation of the GDN output gate (`output_gate_type`, else `hidden_act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum GateActivation {
+    Sigmoid,
+    Silu,
+}
+
+/// Sparse MoE of every Flash-Next layer.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub shared_expert_intermediate_size: usize,
+    /// Renormalise the top-k routing weights to sum to 1.
+    pub norm_topk_prob: bool,
+}
+
+/// Qwen Sparse Attention: the indexer and its token budget.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct QsaConfig {
+    pub indexer_n_heads: usize,
+    pub indexer_head_dim: usize,
+    /// Tokens selected from complete blocks per query (a multiple of `compress_ratio`).
+    pub budget: usize,
+    /// Consecutive token keys mean-pooled into one index block.
+    pub compress_ratio: usize,
+}
+
+impl QsaConfig {
+    /// Blocks each query selects.
+    pub fn block_topk(&self) -> usize {
+        self.budget / self.compress_ratio
+    }
+}
+
+/// PLE: hashed n-gram embeddings injected before some GDN layers.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PleConfig {
+    /// Zero-based indices of the decoder layers that have PLE (config: one-based `ple_layer_ids`).
+    pub layers: Vec<usize>,
+    pub embed_dim: usize,
+    pub conv_kernel_size: usize,
+    pub ngram_size: usize,
+    pub heads_per_ngram: usize,
+    pub ngram_vocab_size_base: u64,
+    pub make_ngram_vocab_size_divisible_by: u64,
+    pub seed: i64,
+    pub split_ngram_parts: usize,
+    /// The token that starts n-gram segments and pads the context (`eos_token_id`, first).
+    pub eos_token_id: u32,
+}
+
+impl PleConfig {
+    /// Hashed embedding heads of one PLE layer: `heads_per_ngram` for each order 2..=ngram_size.
+    pub fn ngram_heads(&self) -> usize {
+        (self.ngram_size - 1) * self.heads_per_ngram
+    }
+    /// Width of one head's embedding row.
+    pub fn head_dim(&self) -> usize {
+        self.embed_dim / self.ngram_heads()
+    }
+}
+
+/// The typed Flash-Next fields of a `qwen4_exp_text` config.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Qwen4ExpConfig {
+    pub moe: MoeConfig,
+    /// Residual streams of the hyper-connections.
+    pub hc_count: usize,
+    pub hc_lowrank: usize,
+    /// `None` when the indexer fields are all unset: the attention layers are then dense.
+    pub qsa: Option<QsaConfig>,
+    /// `None` when `ple_layer_ids` is empty.
+    pub ple: Option<PleConfig>,
+    pub output_gate: GateActivation,
+}
+
+#[derive(Deserialize)]
+struct RawQwen4Exp {
+    #[serde(default = "default_512")]
+    moe_intermediate_size: usize,
+    #[serde(default = "default_512")]
+    shared_expert_intermediate_size: usize,
+    #[serde(default = "default_10")]
+    num_experts_per_tok: usize,
+    #[serde(default = "default_512")]
+    num_experts: usize,
+    #[serde(default = "default_true")]
+    norm_topk_prob: bool,
+    #[serde(default = "default_4")]
+    hc_count: usize,
+    #[serde(default = "default_320")]
+    hc_lowrank: usize,
+    #[serde(default)]
+    ple_layer_ids: Option<Vec<usize>>,
+    #[serde(default)]
+    ple_embed_dim: Option<usize>,
+    #[serde(default = "default_4")]
+    ple_conv_kernel_size: usize,
+    #[serde(default = "default_3")]
+    ngram_size: usize,
+    #[serde(default = "default_8")]
+    heads_per_ngram: usize,
+    #[serde(default = "default_ngram_base")]
+    ngram_vocab_size_base: u64,
+    #[serde(default = "default_128_u64")]
+    make_ngram_vocab_size_divisible_by: u64,
+    #[serde(default = "default_seed")]
+    seed: i64,
+    #[serde(default = "default_512")]
+    split_ngram_parts: usize,
+    #[serde(default)]
+    indexer_n_heads: Option<usize>,
+    #[serde(default)]
+    indexer_kv_heads: Option<usize>,
+    #[serde(default)]
+    indexer_head_dim: Option<usize>,
+    #[serde(default)]
+    indexer_budget: Option<usize>,
+    #[serde(default)]
+    indexer_compress_ratio: Option<usize>,
+    #[serde(default)]
+    output_gate_type: Option<String>,
+}
+
+fn default_512() -> usize {
+    512
+}
+fn default_10() -> usize {
+    10
+}
+fn default_true() -> bool {
+    true
+}
+fn default_4() -> usize {
+    4
+}
+fn default_3() -> usize {
+    3
+}
+fn default_8() -> usize {
+    8
+}
+fn default_320() -> usize {
+    320
+}
+fn default_ngram_base() -> u64 {
+    20_000_000
+}
+fn default_128_u64() -> u64 {
+    128
+}
+fn default_seed() -> i64 {
+    1234
+}
+
+impl TextConfig {
+    /// Parses and checks the Flash-Next fields (the same invariants transformers' config
+    /// enforces), so a checkpoint that the reference would refuse is refused here at load.
+    pub fn qwen4_exp(&self) -> Result<Qwen4ExpConfig> {
+        let r: RawQwen4Exp =
+            serde_json::from_value(self.raw.clone()).context("qwen4_exp_text configuration is malformed")?;
+        let gate_name = r.output_gate_type.clone().unwrap_or_else(|| self.hidden_act.clone());
+        let output_gate = match gate_name.as_str() {
+            "sigmoid" => GateActivation::Sigmoid,
+            "silu" => GateActivation::Silu,
+            other => bail!("output_gate_type \"{other}\" is not supported; expected \"sigmoid\" or \"silu\""),
+        };
+        if r.hc_count <= 1 {
+            bail!("hc_count must be greater than 1 (the hyper-connection streams), found {}", r.hc_count);
+        }
+        if r.hc_lowrank == 0 {
+            bail!("hc_lowrank must be positive, found 0");
+        }
+        if r.num_experts == 0 {
+            bail!("num_experts must be positive, found 0");
+        }
+        if r.num_experts_per_tok == 0 || r.num_experts_per_tok > r.num_experts {
+            bail!(
+                "num_experts_per_tok must be in 1..={} (num_experts), found {}",
+                r.num_experts,
+                r.num_experts_per_tok
+            );
+        }
+        if r.moe_intermediate_size == 0 || r.shared_expert_intermediate_size == 0 {
+            bail!(
+                "moe_intermediate_size and shared_expert_intermediate_size must be positive, found {} and {}",
+                r.moe_intermediate_size,
+                r.shared_expert_intermediate_size
+            );
+        }
+        let fields = [
+            ("indexer_n_heads", r.indexer_n_heads),
+            ("indexer_kv_heads", r.indexer_kv_heads),
+            ("indexer_head_dim", r.indexer_head_dim),
+            ("indexer_budget", r.indexer_budget),
+            ("indexer_compress_ratio", r.indexer_compress_ratio),
+        ];
+        let qsa = if fields.iter().all(|(_, v)| v.is_none()) {
+            None
+        } else {
+            let missing: Vec<&str> = fields.iter().filter(|(_, v)| v.is_none()).map(|(n, _)| *n).collect();
+            if !missing.is_empty() {
+                bail!(
+                    "QSA config is partly set: {} missing; set all five indexer_* fields or none",
+                    missing.join(", ")
+                );
+            }
+            if let Some((name, _)) = fields.iter().find(|(_, v)| *v == Some(0)) {
+                bail!("QSA field {name} must be positive, found 0");
+            }
+            let get = |i: usize| fields[i].1.unwrap_or_default();
+            let q = QsaConfig {
+                indexer_n_heads: get(0),
+                indexer_head_dim: get(2),
+                budget: get(3),
+                compress_ratio: get(4),
+            };
+            if get(1) != 1 {
+                bail!("indexer_kv_heads must be 1 (QSA has one indexer key head), found {}", get(1));
+            }
+            if q.budget % q.compress_ratio != 0 {
+                bail!(
+                    "indexer_budget ({}) must be a multiple of indexer_compress_ratio ({})",
+                    q.budget,
+                    q.compress_ratio
+                );
+            }
+            if self.rotary_dim() > q.indexer_head_dim {
+                bail!(
+                    "the attention's rotary dimension ({}) must fit the QSA index head (indexer_head_dim {})",
+                    self.rotary_dim(),
+                    q.indexer_head_dim
+                );
+            }
+            Some(q)
+        };
+        let mut ple_ids = r.ple_layer_ids.clone().unwrap_or_default();
+        ple_ids.sort_unstable();
+        ple_ids.dedup();
+        let ple = if ple_ids.is_empty() {
+            None
+        } else {
+            let embed_dim = r.ple_embed_dim.unwrap_or(self.hidden_size);
+            let heads = r.ngram_size.saturating_sub(1) * r.heads_per_ngram;
+            if heads == 0 || embed_dim == 0 || embed_dim % heads != 0 {
+                bail!(
+                    "ple_embed_dim ({embed_dim}) must be a positive multiple of the n-gram heads \
+                     ((ngram_size - 1) · heads_per_ngram = {heads})"
+                );
+            }
+            if let Some(bad) = ple_ids.iter().find(|&&id| id < 1 || id > self.num_hidden_layers) {
+                bail!("ple_layer_ids are one-based layer ids in 1..={}, found {bad}", self.num_hidden_layers);
+            }
+            let on_attention: Vec<usize> =
+                ple_ids.iter().copied().filter(|&id| self.layer_types[id - 1] != LayerType::LinearAttention).collect();
+            if !on_attention.is_empty() {
+                bail!("PLE is only supported on linear_attention layers, but ple_layer_ids puts it on attention layers {on_attention:?}");
+            }
+            let eos_token_id = *self
+                .eos_token_ids
+                .first()
+                .context("eos_token_id must be set when PLE layers are enabled (it pads and separates n-grams)")?;
+            if r.ple_conv_kernel_size == 0 || r.split_ngram_parts == 0 || r.make_ngram_vocab_size_divisible_by == 0 {
+                bail!("ple_conv_kernel_size, split_ngram_parts and make_ngram_vocab_size_divisible_by must be positive");
+            }
+            if r.ngram_vocab_size_base < 2 {
+                bail!("ngram_vocab_size_base must be at least 2, found {}", r.ngram_vocab_size_base);
+            }
+            Some(PleConfig {
+                layers: ple_ids.iter().map(|id| id - 1).collect(),
+                embed_dim,
+                conv_kernel_size: r.ple_conv_kernel_size,
+                ngram_size: r.ngram_size,
+                heads_per_ngram: r.heads_per_ngram,
+                ngram_vocab_size_base: r.ngram_vocab_size_base,
+                make_ngram_vocab_size_divisible_by: r.make_ngram_vocab_size_divisible_by,
+                seed: r.seed,
+                split_ngram_parts: r.split_ngram_parts,
+                eos_token_id,
+            })
+        };
+        Ok(Qwen4ExpConfig {
+            moe: MoeConfig {
+                num_experts: r.num_experts,
+                num_experts_per_tok: r.num_experts_per_tok,
+                moe_intermediate_size: r.moe_intermediate_size,
+                shared_expert_intermediate_size: r.shared_expert_intermediate_size,
+                norm_topk_prob: r.norm_topk_prob,
+            },
+            hc_count: r.hc_count,
+            hc_lowrank: r.hc_lowrank,
+            qsa,
+            ple,
+            output_gate,
+        })
     }
 }
 

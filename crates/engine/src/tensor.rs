@@ -67,6 +67,11 @@ impl Bytes {
         debug_assert!(start + len <= (*owner).as_ref().len());
         Bytes { owner, start, len }
     }
+    /// Bytes `start..start + len` of these, sharing the owner (no copy).
+    pub fn slice(&self, start: usize, len: usize) -> Bytes {
+        assert!(start + len <= self.len, "Bytes::slice {start}+{len} outside {} bytes", self.len);
+        Bytes { owner: self.owner.clone(), start: self.start + start, len }
+    }
     pub fn as_slice(&self) -> &[u8] {
         &(*self.owner).as_ref()[self.start..self.start + self.len]
     }

@@ -1,7 +1,9 @@
 //! Model definitions, one file per architecture, and the object-safe [`CausalLm`] interface the
 //! scheduler and the CLI drive them through.
 
+pub mod layers;
 pub mod qwen3_5_text;
+pub mod qwen4_exp_text;
 
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
@@ -97,10 +99,7 @@ impl<S> SequenceTable<S> {
 pub fn load<B: Backend>(backend: B, checkpoint: &Checkpoint) -> Result<Box<dyn CausalLm>> {
     match checkpoint.config.architecture {
         Architecture::Qwen3_5Text => Ok(Box::new(qwen3_5_text::Qwen3_5Text::load(backend, checkpoint)?)),
-        Architecture::Qwen4ExpText => anyhow::bail!(
-            "{} is a qwen4_exp_text (Qwen3.8-Flash-Next) checkpoint; this build does not implement that architecture yet",
-            checkpoint.dir.display()
-        ),
+        Architecture::Qwen4ExpText => Ok(Box::new(qwen4_exp_text::Qwen4ExpText::load(backend, checkpoint)?)),
     }
 }
 

@@ -1,0 +1,164 @@
+//! Gated DeltaNet (linear attention with a recurrent state).
+
+use super::{tensor, vector, Span};
+use crate::backend::{Backend, DeltaRuleMode, DeltaRuleShape};
+use crate::checkpoint::Checkpoint;
+use crate::config::{GateActivation, TextConfig};
+use crate::tensor::HostTensor;
+use anyhow::Result;
+
+/// One sequence's GDN state: conv history `[K-1, conv_dim]` and recurrent state
+/// `[v_heads·dk, dv]` (f32).
+pub struct LinearState<B: Backend> {
+    pub conv: B::Act,
+    pub recurrent: B::Act,
+}
+
+impl<B: Backend> Clone for LinearState<B> {
+    fn clone(&self) -> Self {
+        LinearState {
+            conv: self.conv.clone(),
+            recurrent: self.recurrent.clone(),
+        }
+    }
+}
+
+impl<B: Backend> LinearState<B> {
+    pub fn new(b: &B, c: &TextConfig) -> Self {
+        LinearState {
+            conv: b.zeros(c.linear_conv_kernel_dim - 1, c.linear_conv_dim()),
+            recurrent: b.zeros(
+                c.linear_num_value_heads * c.linear_key_head_dim,
+                c.linear_value_head_dim,
+            ),
+        }
+    }
+    pub fn bytes(&self, b: &B) -> usize {
+        let (r, c) = b.shape(&self.conv);
+        let (r2, c2) = b.shape(&self.recurrent);
+        (r * c + r2 * c2) * 4
+    }
+}
+
+pub struct GatedDeltaNet<B: Backend> {
+    /// Fused `in_proj_qkv ‖ in_proj_z ‖ in_proj_b ‖ in_proj_a`.
+    in_proj: B::Matrix,
+    /// Depthwise conv taps `[conv_dim, K]`.
+    conv1d: B::Matrix,
+    a_log: B::Vector,
+    dt_bias: B::Vector,
+    norm: B::Vector,
+    out_proj: B::Matrix,
+    shape: DeltaRuleShape,
+    conv_dim: usize,
+    eps: f32,
+    /// Activation of the output gate `z` (silu for Qwen3.8-27B, sigmoid for Flash-Next).
+    gate: GateActivation,
+}
+
+impl<B: Backend> GatedDeltaNet<B> {
+    pub fn load(
+        b: &B,
+        ck: &Checkpoint,
+        p: &str,
+        c: &TextConfig,
+        gate: GateActivation,
+    ) -> Result<Self> {
+        let h = c.hidden_size;
+        let (conv_dim, vd, nv) = (
+            c.linear_conv_dim(),
+            c.linear_value_dim(),
+            c.linear_num_value_heads,
+        );
+        let parts = [
+            tensor(ck, &format!("{p}in_proj_qkv.weight"), &[conv_dim, h])?,
+            tensor(ck, &format!("{p}in_proj_z.weight"), &[vd, h])?,
+            tensor(ck, &format!("{p}in_proj_b.weight"), &[nv, h])?,
+            tensor(ck, &format!("{p}in_proj_a.weight"), &[nv, h])?,
+        ];
+        let k = c.linear_conv_kernel_dim;
+        let conv = tensor(ck, &format!("{p}conv1d.weight"), &[conv_dim, 1, k])?
+            .reshaped(vec![conv_dim, k])?;
+        Ok(GatedDeltaNet {
+            in_proj: b.matrix(&HostTensor::concat_rows(&format!("{p}in_proj"), &parts)?)?,
+            conv1d: b.matrix(&conv)?,
+            a_log: vector(b, ck, &format!("{p}A_log"), nv)?,
+            dt_bias: vector(b, ck, &format!("{p}dt_bias"), nv)?,
+            norm: vector(b, ck, &format!("{p}norm.weight"), c.linear_value_head_dim)?,
+            out_proj: b.matrix(&tensor(ck, &format!("{p}out_proj.weight"), &[h, vd])?)?,
+            shape: DeltaRuleShape {
+                num_k_heads: c.linear_num_key_heads,
+                num_v_heads: nv,
+                k_head_dim: c.linear_key_head_dim,
+                v_head_dim: c.linear_value_head_dim,
+            },
+            conv_dim,
+            eps: c.rms_norm_eps as f32,
+            gate,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        b: &B,
+        x: &B::Act,
+        spans: &[Span],
+        states: &mut [&mut LinearState<B>],
+    ) -> B::Act {
+        let s = self.shape;
+        let kd = s.num_k_heads * s.k_head_dim;
+        let vd = s.num_v_heads * s.v_head_dim;
+        let nv = s.num_v_heads;
+        // 1. projections of the whole batch
+        let proj = b.linear(x, &self.in_proj);
+        let mixed_qkv = b.cols(&proj, 0..self.conv_dim);
+        let z = b.cols(&proj, self.conv_dim..self.conv_dim + vd);
+        let beta_in = b.cols(&proj, self.conv_dim + vd..self.conv_dim + vd + nv);
+        let a_in = b.cols(&proj, self.conv_dim + vd + nv..self.conv_dim + vd + 2 * nv);
+        let (g, beta) = b.delta_rule_gates(&a_in, &beta_in, &self.a_log, &self.dt_bias);
+        // 2. per sequence: causal conv, then the gated delta rule, each carrying its state
+        let mut outs = Vec::with_capacity(spans.len());
+        for (span, state) in spans.iter().zip(states.iter_mut()) {
+            let rows = span.rows();
+            let qkv = b.causal_conv1d_silu(
+                &b.rows(&mixed_qkv, rows.clone()),
+                &mut state.conv,
+                &self.conv1d,
+            );
+            let q = b.cols(&qkv, 0..kd);
+            let k = b.cols(&qkv, kd..2 * kd);
+            let v = b.cols(&qkv, 2 * kd..2 * kd + vd);
+            let mode = if span.len == 1 {
+                DeltaRuleMode::Recurrent
+            } else {
+                DeltaRuleMode::Chunked
+            };
+            outs.push(b.gated_delta_rule(
+                &q,
+                &k,
+                &v,
+                &b.rows(&g, rows.clone()),
+                &b.rows(&beta, rows),
+                &mut state.recurrent,
+                s,
+                mode,
+            ));
+        }
+        // 3. gated RMSNorm per value head (`norm(x) · w · act(z)`), output projection
+        let core = b.cat_rows(&outs);
+        let normed = match self.gate {
+            GateActivation::Silu => b.rms_norm_gated(&core, &z, &self.norm, self.eps, s.v_head_dim),
+            GateActivation::Sigmoid => b.sigmoid_gate(
+                &b.rms_norm(
+                    &core,
+                    &self.norm,
+                    self.eps,
+                    crate::backend::NormScale::Plain,
+                    s.v_head_dim,
+                ),
+                &z,
+            ),
+        };
+        b.linear(&normed, &self.out_proj)
+    }
+}
