@@ -1,1 +1,602 @@
 //! The scheduler: continuous batching of sequences over a [`crate::model::CausalLm`].
+//!
+//! One thread owns the model. Requests arrive through [`Scheduler::submit`], wait in a bounded
+//! queue, and join the running batch between forward steps. Every step carries one token for
+//! each decoding sequence plus at most `prefill_chunk` prompt tokens, so a long prompt is
+//! prefilled in chunks interleaved with the decode steps of the others and their streams stay
+//! smooth. Each request gets a [`GenerationStream`] of [`GenerationEvent`]s; dropping the
+//! stream cancels the request and frees its sequence before the next step.
+
+pub mod scripted;
+
+use crate::model::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId};
+use crate::sampling::{Sampler, SamplingParams, StopStringMatcher};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+use tokio::sync::mpsc as tokio_mpsc;
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Sequences decoded together in one step.
+    pub max_batch: usize,
+    /// Requests that may wait for a free slot; one more is refused with [`SubmitError::Overloaded`].
+    pub max_queue: usize,
+    /// Prompt tokens prefilled per step (shared by all prefilling sequences).
+    pub prefill_chunk: usize,
+    /// Context length: prompt plus generated tokens of one sequence. Capped at the model's.
+    pub max_context: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_batch: 8,
+            max_queue: 64,
+            prefill_chunk: 256,
+            max_context: usize::MAX,
+        }
+    }
+}
+
+/// When generation ends besides the model's own end-of-sequence tokens.
+#[derive(Debug, Clone, Default)]
+pub struct StopConditions {
+    /// Token ids that end generation (added to the model's eos ids); their text is not emitted.
+    pub token_ids: Vec<u32>,
+    /// Strings that end generation; the text from the match on is not emitted.
+    pub strings: Vec<String>,
+}
+
+/// One generation job.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub prompt_tokens: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Upper bound on generated tokens (the stop token included).
+    pub max_tokens: usize,
+    pub stop: StopConditions,
+    /// Drop special tokens' text (`<|im_end|>` and the like) from the streamed text.
+    pub skip_special_tokens: bool,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced an end-of-sequence or stop token.
+    StopToken(u32),
+    /// A stop string matched (the index into the request's list and the string).
+    StopString(usize, String),
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The sequence filled the context window.
+    ContextFull,
+}
+
+impl FinishReason {
+    /// True when the output was cut by a length limit rather than ended by the model.
+    pub fn is_length(&self) -> bool {
+        matches!(self, FinishReason::MaxTokens | FinishReason::ContextFull)
+    }
+}
+
+/// Token counts of one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache (0 until the prefix cache exists).
+    pub cached_tokens: usize,
+}
+
+/// What a [`GenerationStream`] yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerationEvent {
+    /// A sampled token and the text it completes (possibly empty: an incomplete UTF-8
+    /// sequence, a special token, or text held back because it may begin a stop string).
+    Token { id: u32, text: String },
+    /// Generation ended; no event follows.
+    Finished { reason: FinishReason, usage: Usage },
+    /// Generation failed; no event follows.
+    Error(String),
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is overloaded: {queued} requests are already waiting (limit {limit}); retry later")]
+    Overloaded { queued: usize, limit: usize },
+    #[error("the prompt has {prompt_tokens} tokens but the context window is {max_context} tokens; shorten the conversation")]
+    ContextLength {
+        prompt_tokens: usize,
+        max_context: usize,
+    },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("the scheduler has stopped")]
+    Stopped,
+}
+
+/// The events of one request. Dropping it cancels the request.
+pub struct GenerationStream {
+    rx: tokio_mpsc::UnboundedReceiver<GenerationEvent>,
+    prompt_tokens: usize,
+}
+
+impl GenerationStream {
+    /// The next event; `None` after `Finished`/`Error` (or if the scheduler died).
+    pub async fn recv(&mut self) -> Option<GenerationEvent> {
+        self.rx.recv().await
+    }
+
+    /// Blocking variant for synchronous callers (not inside an async runtime).
+    pub fn blocking_recv(&mut self) -> Option<GenerationEvent> {
+        self.rx.blocking_recv()
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+}
+
+/// Counters, readable from any thread (rendered by the server's `/metrics`).
+#[derive(Debug, Default)]
+pub struct SchedulerMetrics {
+    pub requests_total: AtomicU64,
+    pub requests_rejected_total: AtomicU64,
+    pub requests_cancelled_total: AtomicU64,
+    pub requests_finished_total: AtomicU64,
+    pub requests_failed_total: AtomicU64,
+    pub prompt_tokens_total: AtomicU64,
+    pub generated_tokens_total: AtomicU64,
+    pub cached_prompt_tokens_total: AtomicU64,
+    pub prefix_cache_hits_total: AtomicU64,
+    pub forward_steps_total: AtomicU64,
+    pub queue_depth: AtomicUsize,
+    pub active_sequences: AtomicUsize,
+}
+
+struct Pending {
+    request: GenerationRequest,
+    tx: tokio_mpsc::UnboundedSender<GenerationEvent>,
+}
+
+/// Handle to the scheduler thread. Dropping it stops the thread after the current step.
+pub struct Scheduler {
+    tx: Option<mpsc::Sender<Pending>>,
+    metrics: Arc<SchedulerMetrics>,
+    info: ModelInfo,
+    config: SchedulerConfig,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread; it owns `model` from now on.
+    pub fn start(
+        model: Box<dyn CausalLm>,
+        tokenizer: Arc<Tokenizer>,
+        mut config: SchedulerConfig,
+    ) -> Scheduler {
+        let info = model.info().clone();
+        config.max_context = config.max_context.min(info.max_context).max(1);
+        config.max_batch = config.max_batch.max(1);
+        config.prefill_chunk = config.prefill_chunk.max(1);
+        let metrics = Arc::new(SchedulerMetrics::default());
+        let (tx, rx) = mpsc::channel();
+        let thread_metrics = metrics.clone();
+        let thread_config = config.clone();
+        let thread = std::thread::Builder::new()
+            .name("capy-scheduler".into())
+            .spawn(move || run_loop(model, &tokenizer, thread_config, rx, &thread_metrics))
+            .expect("spawning the scheduler thread");
+        Scheduler {
+            tx: Some(tx),
+            metrics,
+            info,
+            config,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn model_info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn metrics(&self) -> &SchedulerMetrics {
+        &self.metrics
+    }
+
+    /// Checks the request and queues it. Errors come before any model work.
+    pub fn submit(&self, request: GenerationRequest) -> Result<GenerationStream, SubmitError> {
+        let prompt_tokens = request.prompt_tokens.len();
+        let m = &self.metrics;
+        if prompt_tokens == 0 {
+            return Err(SubmitError::Invalid(
+                "the prompt is empty: it has no tokens".into(),
+            ));
+        }
+        if prompt_tokens >= self.config.max_context {
+            m.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
+            return Err(SubmitError::ContextLength {
+                prompt_tokens,
+                max_context: self.config.max_context,
+            });
+        }
+        if let Some(bad) = request
+            .prompt_tokens
+            .iter()
+            .find(|&&t| t as usize >= self.info.vocab_size)
+        {
+            return Err(SubmitError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {} ids",
+                self.info.vocab_size
+            )));
+        }
+        if request.max_tokens == 0 {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        request.sampling.validate().map_err(SubmitError::Invalid)?;
+        // Reserve a queue place, or refuse.
+        let limit = self.config.max_queue;
+        let reserved = m
+            .queue_depth
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q < limit).then_some(q + 1)
+            });
+        if let Err(queued) = reserved {
+            m.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
+            return Err(SubmitError::Overloaded { queued, limit });
+        }
+        let (tx, rx) = tokio_mpsc::unbounded_channel();
+        let sender = self.tx.as_ref().ok_or(SubmitError::Stopped)?;
+        if sender.send(Pending { request, tx }).is_err() {
+            m.queue_depth.fetch_sub(1, Ordering::AcqRel);
+            return Err(SubmitError::Stopped);
+        }
+        m.requests_total.fetch_add(1, Ordering::Relaxed);
+        Ok(GenerationStream { rx, prompt_tokens })
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One admitted sequence.
+struct Active<'t> {
+    seq: SeqId,
+    tx: tokio_mpsc::UnboundedSender<GenerationEvent>,
+    prompt: Vec<u32>,
+    /// Prompt tokens already in the model's state.
+    prefilled: usize,
+    /// The last sampled token, fed in the next decode step.
+    next_input: Option<u32>,
+    generated: usize,
+    max_tokens: usize,
+    stop_ids: Vec<u32>,
+    sampler: Sampler,
+    stops: StopStringMatcher,
+    stop_strings: Vec<String>,
+    decoder: StreamDecoder<'t>,
+    /// Set when the sequence is done (finished, failed or cancelled) and must be freed.
+    done: bool,
+}
+
+impl Active<'_> {
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt.len(),
+            completion_tokens: self.generated,
+            cached_tokens: 0,
+        }
+    }
+
+    fn finish(&mut self, reason: FinishReason, metrics: &SchedulerMetrics) {
+        let usage = self.usage();
+        let _ = self.tx.send(GenerationEvent::Finished { reason, usage });
+        metrics
+            .requests_finished_total
+            .fetch_add(1, Ordering::Relaxed);
+        self.done = true;
+    }
+
+    fn fail(&mut self, message: String, metrics: &SchedulerMetrics) {
+        let _ = self.tx.send(GenerationEvent::Error(message));
+        metrics
+            .requests_failed_total
+            .fetch_add(1, Ordering::Relaxed);
+        self.done = true;
+    }
+
+    /// Handles one sampled token: stop checks, detokenization, emission.
+    fn on_token(&mut self, token: u32, max_context: usize, metrics: &SchedulerMetrics) {
+        self.generated += 1;
+        self.sampler.accept(token);
+        metrics
+            .generated_tokens_total
+            .fetch_add(1, Ordering::Relaxed);
+        if self.stop_ids.contains(&token) {
+            let tail = self.flush_text();
+            if !tail.is_empty() {
+                let _ = self.tx.send(GenerationEvent::Token {
+                    id: token,
+                    text: tail,
+                });
+            }
+            return self.finish(FinishReason::StopToken(token), metrics);
+        }
+        let piece = match self.decoder.push(token) {
+            Ok(p) => p,
+            Err(e) => return self.fail(format!("detokenizing token {token}: {e:#}"), metrics),
+        };
+        let m = self.stops.push(&piece);
+        if let Some(i) = m.stopped {
+            let _ = self.tx.send(GenerationEvent::Token {
+                id: token,
+                text: m.emit,
+            });
+            let s = self.stop_strings[i].clone();
+            return self.finish(FinishReason::StopString(i, s), metrics);
+        }
+        let length_reason = if self.generated >= self.max_tokens {
+            Some(FinishReason::MaxTokens)
+        } else if self.prompt.len() + self.generated >= max_context {
+            Some(FinishReason::ContextFull)
+        } else {
+            None
+        };
+        let mut text = m.emit;
+        if length_reason.is_some() {
+            text.push_str(&self.flush_text());
+        }
+        let _ = self.tx.send(GenerationEvent::Token { id: token, text });
+        match length_reason {
+            Some(r) => self.finish(r, metrics),
+            None => self.next_input = Some(token),
+        }
+    }
+
+    /// Text still buffered in the detokenizer and the stop matcher.
+    fn flush_text(&mut self) -> String {
+        let rest = self.decoder.finish().unwrap_or_default();
+        let mut out = self.stops.push(&rest).emit;
+        out.push_str(&self.stops.finish());
+        out
+    }
+}
+
+fn run_loop(
+    mut model: Box<dyn CausalLm>,
+    tokenizer: &Tokenizer,
+    config: SchedulerConfig,
+    rx: mpsc::Receiver<Pending>,
+    metrics: &SchedulerMetrics,
+) {
+    let mut waiting: VecDeque<Pending> = VecDeque::new();
+    let mut active: Vec<Active<'_>> = Vec::new();
+    let eos = model.info().eos_token_ids.clone();
+    let mut disconnected = false;
+    loop {
+        // 1. Take new requests: block when idle, poll otherwise.
+        if active.is_empty() && waiting.is_empty() {
+            if disconnected {
+                return;
+            }
+            match rx.recv() {
+                Ok(p) => waiting.push_back(p),
+                Err(_) => return,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(p) => waiting.push_back(p),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    disconnected = true;
+                    break;
+                }
+            }
+        }
+        // 2. Admit into free slots; skip requests whose client already left.
+        while active.len() < config.max_batch {
+            let Some(p) = waiting.pop_front() else { break };
+            metrics.queue_depth.fetch_sub(1, Ordering::AcqRel);
+            if p.tx.is_closed() {
+                metrics
+                    .requests_cancelled_total
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let r = p.request;
+            metrics
+                .prompt_tokens_total
+                .fetch_add(r.prompt_tokens.len() as u64, Ordering::Relaxed);
+            let mut stop_ids = eos.clone();
+            stop_ids.extend(r.stop.token_ids.iter().copied());
+            let seq = model.new_sequence();
+            active.push(Active {
+                seq,
+                tx: p.tx,
+                sampler: Sampler::new(r.sampling, &r.prompt_tokens),
+                prompt: r.prompt_tokens,
+                prefilled: 0,
+                next_input: None,
+                generated: 0,
+                max_tokens: r.max_tokens,
+                stop_ids,
+                stops: StopStringMatcher::new(r.stop.strings.clone()),
+                stop_strings: r
+                    .stop
+                    .strings
+                    .into_iter()
+                    .filter(|s| !s.is_empty())
+                    .collect(),
+                decoder: tokenizer.stream_decoder(r.skip_special_tokens),
+                done: false,
+            });
+        }
+        metrics
+            .active_sequences
+            .store(active.len(), Ordering::Relaxed);
+        // 3. Free cancelled sequences at once.
+        for a in active.iter_mut() {
+            if a.tx.is_closed() {
+                metrics
+                    .requests_cancelled_total
+                    .fetch_add(1, Ordering::Relaxed);
+                a.done = true;
+            }
+        }
+        free_done(&mut active, model.as_mut(), metrics);
+        if active.is_empty() {
+            continue;
+        }
+        // 4. Plan the step: every decoding sequence's last token, then prompt chunks up to the
+        //    prefill budget, oldest request first.
+        let mut plan: Vec<Planned> = Vec::with_capacity(active.len());
+        for (i, a) in active.iter().enumerate() {
+            if a.next_input.is_some() {
+                plan.push(Planned {
+                    index: i,
+                    decode: true,
+                    end: 0,
+                });
+            }
+        }
+        let mut budget = config.prefill_chunk;
+        for (i, a) in active.iter().enumerate() {
+            if a.next_input.is_none() && budget > 0 {
+                let n = (a.prompt.len() - a.prefilled).min(budget);
+                budget -= n;
+                plan.push(Planned {
+                    index: i,
+                    decode: false,
+                    end: a.prefilled + n,
+                });
+            }
+        }
+        let decode_tokens: Vec<[u32; 1]> =
+            active.iter().map(|a| [a.next_input.unwrap_or(0)]).collect();
+        let batch: Vec<BatchItem<'_>> = plan
+            .iter()
+            .map(|p| {
+                let a = &active[p.index];
+                if p.decode {
+                    BatchItem {
+                        seq: a.seq,
+                        tokens: &decode_tokens[p.index],
+                        logits: LogitsWanted::Last,
+                    }
+                } else {
+                    let logits = if p.end == a.prompt.len() {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    };
+                    BatchItem {
+                        seq: a.seq,
+                        tokens: &a.prompt[a.prefilled..p.end],
+                        logits,
+                    }
+                }
+            })
+            .collect();
+        // 5. Run it, then sample for every item that asked for logits.
+        let result = model.forward(&batch);
+        drop(batch);
+        metrics.forward_steps_total.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Err(e) => {
+                let msg = format!("model forward failed: {e:#}");
+                tracing::error!("{msg}");
+                for p in &plan {
+                    active[p.index].fail(msg.clone(), metrics);
+                }
+            }
+            Ok(mut outputs) => {
+                if outputs.len() != plan.len() {
+                    let msg = format!(
+                        "the model returned {} outputs for a batch of {}",
+                        outputs.len(),
+                        plan.len()
+                    );
+                    for p in &plan {
+                        active[p.index].fail(msg.clone(), metrics);
+                    }
+                }
+                for (p, logits) in plan.iter().zip(outputs.iter_mut()) {
+                    let a = &mut active[p.index];
+                    if a.done {
+                        continue;
+                    }
+                    if p.decode {
+                        a.next_input = None;
+                    } else {
+                        a.prefilled = p.end;
+                        if p.end < a.prompt.len() {
+                            continue;
+                        }
+                    }
+                    if logits.len() < model_vocab(&*model) {
+                        a.fail(
+                            format!(
+                                "the model returned {} logits, expected the vocabulary size {}",
+                                logits.len(),
+                                model_vocab(&*model)
+                            ),
+                            metrics,
+                        );
+                        continue;
+                    }
+                    // Ids the tokenizer cannot decode (the padding rows of an embedding table)
+                    // are never sampled.
+                    if let Some(pad) = logits.get_mut(tokenizer.vocab_size()..) {
+                        pad.fill(f32::NEG_INFINITY);
+                    }
+                    let t = a.sampler.sample(logits);
+                    a.on_token(t, config.max_context, metrics);
+                }
+            }
+        }
+        free_done(&mut active, model.as_mut(), metrics);
+    }
+}
+
+/// One sequence's part of a step.
+struct Planned {
+    index: usize,
+    decode: bool,
+    /// For prefill: the prompt position this chunk ends at.
+    end: usize,
+}
+
+fn model_vocab(model: &dyn CausalLm) -> usize {
+    model.info().vocab_size
+}
+
+fn free_done(active: &mut Vec<Active<'_>>, model: &mut dyn CausalLm, metrics: &SchedulerMetrics) {
+    active.retain(|a| {
+        if a.done {
+            model.drop_sequence(a.seq);
+        }
+        !a.done
+    });
+    metrics
+        .active_sequences
+        .store(active.len(), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests;
