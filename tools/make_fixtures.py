@@ -31,7 +31,8 @@ Before writing, the script checks transformers against itself: incremental decod
 cache (prefill of part of the prompt, then one token at a time) must reproduce the full
 forward's logits, and greedy decoding without the cache must reproduce `generate`. It also
 requires every greedy step to win by a margin larger than twice the Rust test's logit tolerance,
-so that logits within tolerance imply identical tokens (the seed is bumped until it does).
+so that logits within tolerance imply identical tokens (the seed is bumped until it does), and
+that redrawing any single tensor moves the logits by more than 20 times that tolerance.
 """
 
 from __future__ import annotations
@@ -193,34 +194,52 @@ FIXTURES = [
 ]
 
 
+def init_value(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """The random value of one parameter (see the module docstring for why not the default)."""
+    leaf = name.rsplit(".", 2)
+    if name.endswith("A_log"):
+        # Decay rates from fast (A = 2) to very slow (A = 0.005) forgetting.
+        return torch.empty(shape).uniform_(math.log(0.005), math.log(2.0), generator=gen)
+    if name.endswith("dt_bias"):
+        return torch.empty(shape).uniform_(-2.0, 1.0, generator=gen)
+    if name.endswith("conv1d.weight"):
+        return torch.randn(shape, generator=gen) * 0.5
+    if name.endswith("linear_attn.norm.weight"):
+        # The gated norm scales by w (not 1 + w).
+        return 1.0 + torch.empty(shape).uniform_(-0.3, 0.3, generator=gen)
+    if "norm" in leaf[-2] and len(shape) == 1:
+        # (1 + w) norms: w is an offset from 1.
+        return torch.empty(shape).uniform_(-0.3, 0.3, generator=gen)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    if len(shape) == 2:
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+    raise SystemExit(f"make_fixtures: no init rule for parameter {name} {tuple(shape)}")
+
+
 def randomise(model: Qwen3_5ForCausalLM, gen: torch.Generator) -> None:
     """Gives every parameter a value that visibly changes the logits."""
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            leaf = name.rsplit(".", 2)
-            if name.endswith("A_log"):
-                # Decay rates from fast (A ≈ 2) to very slow (A ≈ 0.005) forgetting.
-                a = torch.exp(torch.empty(p.shape).uniform_(math.log(0.005), math.log(2.0), generator=gen))
-                p.copy_(torch.log(a))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.empty(p.shape).uniform_(-2.0, 1.0, generator=gen))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("linear_attn.norm.weight"):
-                # The gated norm scales by w (not 1 + w).
-                p.copy_(1.0 + torch.empty(p.shape).uniform_(-0.3, 0.3, generator=gen))
-            elif "norm" in leaf[-2] and p.dim() == 1:
-                # (1 + w) norms: w is an offset from 1.
-                p.copy_(torch.empty(p.shape).uniform_(-0.3, 0.3, generator=gen))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2:
-                fan_in = p.shape[1]
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
-            else:
-                raise SystemExit(f"make_fixtures: no init rule for parameter {name} {tuple(p.shape)}")
+            p.copy_(init_value(name, p.shape, gen))
         if model.config.tie_word_embeddings:
             assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@torch.no_grad()
+def least_tensor_effect(model, ids: list[int]) -> tuple[float, str]:
+    """Redraws each parameter tensor in turn (then puts it back) and returns the smallest
+    change of the logits seen, with the tensor's name: a loader that misreads any one tensor
+    must move the logits far beyond the test's tolerance."""
+    base = full_logits(model, ids)
+    gen = torch.Generator().manual_seed(12345)
+    least = (float("inf"), "")
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        old = p.detach().clone()
+        p.copy_(init_value(name, p.shape, gen))
+        least = min(least, (float((full_logits(model, ids) - base).abs().max()), name))
+        p.copy_(old)
+    return least
 
 
 def make_prompts(vocab: int, lengths, gen: torch.Generator) -> list[list[int]]:
@@ -341,6 +360,13 @@ def build(fx: Fixture, out_root: Path, command: str) -> dict:
             f"by {worst_incremental:.3g}"
         )
 
+    least_effect, least_name = least_tensor_effect(model, results[1][0])
+    if least_effect < 20 * LOGIT_TOLERANCE:
+        raise SystemExit(
+            f"make_fixtures: {fx.name}: redrawing {least_name} changes the logits by only "
+            f"{least_effect:.3g}; the fixture would not catch a misread tensor"
+        )
+
     folder = out_root / "qwen3_5_text" / fx.name
     if folder.exists():
         shutil.rmtree(folder)
@@ -385,6 +411,7 @@ def build(fx: Fixture, out_root: Path, command: str) -> dict:
             "torch": torch.__version__.split("+")[0],
             "attn_implementation": "eager",
             "transformers_cached_decode_max_abs_diff": float(f"{worst_incremental:.3g}"),
+            "least_logit_change_when_one_tensor_is_redrawn": float(f"{least_effect:.3g}"),
         },
         "prompts": prompts_json,
     }
@@ -394,7 +421,7 @@ def build(fx: Fixture, out_root: Path, command: str) -> dict:
     size = sum(p.stat().st_size for p in folder.iterdir())
     print(
         f"  {fx.name}: seed {seed}, {size / 1024:.0f} KiB, cached-decode Δ {worst_incremental:.2g}, "
-        f"min greedy margin {min(r[3] for r in results):.3g}"
+        f"min greedy margin {min(r[3] for r in results):.3g}, least tensor effect {least_effect:.3g} ({least_name})"
     )
     return expected
 

@@ -439,7 +439,7 @@ fn snapshot_and_restore_mid_sequence_give_the_same_next_logits() {
         // Cut after a chunk boundary of the GDN prefill, in the middle of the prompt.
         let cut = 100.min(p.ids.len() - 10);
         let seq = m.new_sequence();
-        one(m.as_mut(), seq, &p.ids[..cut], LogitsWanted::None);
+        assert!(one(m.as_mut(), seq, &p.ids[..cut], LogitsWanted::None).is_empty());
         let snap = m.snapshot(seq).expect("snapshot");
         assert_eq!(snap.len, cut);
         assert!(snap.bytes > 0);
