@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod demo;
 pub mod model;
+pub mod quant;
 pub mod sampling;
 pub mod scheduler;
 pub mod tensor;

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod delta_rule;
+pub mod experts;
 pub mod hyper;
 pub mod matmul;
 pub mod moe;

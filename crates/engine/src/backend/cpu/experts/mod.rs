@@ -1,0 +1,536 @@
+//! Routed-expert FFN on the CPU over quantised weights.
+//!
+//! For each token `t` and each of its routed experts `e` with weight `w`:
+//! `out[t] += w · down_e(silu(gate_e(x[t])) ⊙ up_e(x[t]))`, gate/up `[I, H]`, down `[H, I]`.
+//!
+//! Layout: an [`ExpertSet`] holds one contiguous record per expert (so one expert's weights
+//! stream from memory in one pass): a 64-byte header (three f32 multipliers for gate, up and
+//! down — NVFP4's `weight_scale_2`, 1 elsewhere), then `2I` rows of `H` weights with gate and
+//! up rows interleaved (row `2i` = gate row `i`, row `2i + 1` = up row `i`), then `H` down
+//! rows of `I` weights, every row in one [`RowFormat`]; records are padded to 64 bytes.
+//!
+//! Computation (the exact path): each row is dequantised to f32 into per-worker scratch with
+//! the chosen ISA (bit-identical on every ISA), then dotted with f32 activations. Work is
+//! split in two phases on the [`ExpertPool`]: (1) tasks of (active expert, block of gate/up
+//! rows) write `h = silu(g) · u`; (2) tasks of blocks of output rows run over every active
+//! expert's down rows, in expert order, so each output element has one writer and the result
+//! does not depend on the thread count.
+
+pub mod bench;
+pub mod dot;
+pub mod format;
+pub mod pool;
+
+pub use format::RowFormat;
+pub use pool::ExpertPool;
+
+use super::ops::silu;
+use super::simd::Isa;
+use anyhow::{bail, Result};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Expert sizes: `hidden` (H, the model width) and `intermediate` (I).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ExpertShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+}
+
+const HEADER: usize = 64;
+
+/// Byte layout of one expert record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// Format of the gate and up rows.
+    pub format: RowFormat,
+    /// Format of the down rows (GGUF files fall back to another type when `I` is not a
+    /// multiple of the gate/up type's block, e.g. IQ types with `I` = 640).
+    pub down_format: RowFormat,
+    pub shape: ExpertShape,
+    /// Bytes of one gate or up row (`H` weights).
+    pub gate_up_row_bytes: usize,
+    /// Bytes of one down row (`I` weights).
+    pub down_row_bytes: usize,
+    pub record_bytes: usize,
+}
+
+impl ExpertLayout {
+    pub fn new(
+        format: RowFormat,
+        down_format: RowFormat,
+        shape: ExpertShape,
+    ) -> Result<ExpertLayout> {
+        let gate_up_row_bytes = format.row_bytes(shape.hidden)?;
+        let down_row_bytes = down_format.row_bytes(shape.intermediate)?;
+        let body = 2 * shape.intermediate * gate_up_row_bytes + shape.hidden * down_row_bytes;
+        Ok(ExpertLayout {
+            format,
+            down_format,
+            shape,
+            gate_up_row_bytes,
+            down_row_bytes,
+            record_bytes: (HEADER + body).next_multiple_of(64),
+        })
+    }
+
+    /// Weight bytes of one expert (without header and padding).
+    pub fn weight_bytes(&self) -> usize {
+        2 * self.shape.intermediate * self.gate_up_row_bytes
+            + self.shape.hidden * self.down_row_bytes
+    }
+}
+
+/// Which matrix of an expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertMatrix {
+    Gate,
+    Up,
+    Down,
+}
+
+/// All routed experts of one layer, in the repacked record layout.
+pub struct ExpertSet {
+    pub layout: ExpertLayout,
+    pub experts: usize,
+    data: Vec<u8>,
+}
+
+impl ExpertSet {
+    /// `experts` records with zero weights and multipliers 1.
+    pub fn zeroed(layout: ExpertLayout, experts: usize) -> ExpertSet {
+        let mut set = ExpertSet {
+            layout,
+            experts,
+            data: vec![0u8; layout.record_bytes * experts],
+        };
+        for e in 0..experts {
+            set.set_multipliers(e, [1.0; 3]);
+        }
+        set
+    }
+
+    pub fn record(&self, e: usize) -> &[u8] {
+        &self.data[e * self.layout.record_bytes..(e + 1) * self.layout.record_bytes]
+    }
+    pub fn record_mut(&mut self, e: usize) -> &mut [u8] {
+        let rb = self.layout.record_bytes;
+        &mut self.data[e * rb..(e + 1) * rb]
+    }
+
+    /// The per-matrix multipliers (gate, up, down) of expert `e`.
+    pub fn multipliers(&self, e: usize) -> [f32; 3] {
+        let r = self.record(e);
+        std::array::from_fn(|m| f32::from_le_bytes(r[4 * m..4 * m + 4].try_into().unwrap()))
+    }
+    pub fn set_multipliers(&mut self, e: usize, m: [f32; 3]) {
+        let r = self.record_mut(e);
+        for (i, v) in m.iter().enumerate() {
+            r[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn row_range(&self, m: ExpertMatrix, row: usize) -> std::ops::Range<usize> {
+        let l = &self.layout;
+        let start = match m {
+            ExpertMatrix::Gate => HEADER + 2 * row * l.gate_up_row_bytes,
+            ExpertMatrix::Up => HEADER + (2 * row + 1) * l.gate_up_row_bytes,
+            ExpertMatrix::Down => {
+                HEADER + 2 * l.shape.intermediate * l.gate_up_row_bytes + row * l.down_row_bytes
+            }
+        };
+        let len = if m == ExpertMatrix::Down {
+            l.down_row_bytes
+        } else {
+            l.gate_up_row_bytes
+        };
+        start..start + len
+    }
+
+    /// The stored bytes of one row.
+    pub fn row(&self, e: usize, m: ExpertMatrix, row: usize) -> &[u8] {
+        &self.record(e)[self.row_range(m, row)]
+    }
+
+    /// Sets one row from bytes already in the set's row format.
+    pub fn set_row(&mut self, e: usize, m: ExpertMatrix, row: usize, bytes: &[u8]) -> Result<()> {
+        let range = self.row_range(m, row);
+        if bytes.len() != range.len() {
+            bail!(
+                "expert {e} {m:?} row {row}: expected {} bytes of {}, found {}",
+                range.len(),
+                self.layout.format.name(),
+                bytes.len()
+            );
+        }
+        self.record_mut(e)[range].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// One matrix of expert `e` dequantised (row-major, multiplier applied), for references.
+    pub fn matrix_f32(&self, e: usize, m: ExpertMatrix) -> Vec<f32> {
+        let (rows, cols) = match m {
+            ExpertMatrix::Down => (self.layout.shape.hidden, self.layout.shape.intermediate),
+            _ => (self.layout.shape.intermediate, self.layout.shape.hidden),
+        };
+        let mult = self.multipliers(e)[m as usize];
+        let mut out = vec![0f32; rows * cols];
+        for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+            let fmt = if m == ExpertMatrix::Down {
+                self.layout.down_format
+            } else {
+                self.layout.format
+            };
+            format::dequantize_row_scalar(fmt, self.row(e, m, r), o);
+            o.iter_mut().for_each(|v| *v *= mult);
+        }
+        out
+    }
+
+    /// Total bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Fills every expert with random *valid* blocks (finite scales of a sensible size), as
+    /// the bench and the tests need; deterministic in `seed`. Runs on rayon.
+    pub fn randomize(&mut self, seed: u64) {
+        use rayon::prelude::*;
+        let layout = self.layout;
+        self.data
+            .par_chunks_mut(layout.record_bytes)
+            .enumerate()
+            .for_each(|(e, rec)| {
+                let mut rng = SplitMix(seed ^ (e as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                rng.fill(&mut rec[HEADER..]);
+                let split = HEADER + 2 * layout.shape.intermediate * layout.gate_up_row_bytes;
+                for b in rec[HEADER..split].chunks_exact_mut(layout.format.block_bytes()) {
+                    fix_block(layout.format, b, &mut rng);
+                }
+                for b in rec[split..HEADER + layout.weight_bytes()]
+                    .chunks_exact_mut(layout.down_format.block_bytes())
+                {
+                    fix_block(layout.down_format, b, &mut rng);
+                }
+                let m: [f32; 3] = if layout.format == RowFormat::Nvfp4 {
+                    std::array::from_fn(|_| 0.01 + 0.01 * rng.unit())
+                } else {
+                    [1.0; 3]
+                };
+                for (i, v) in m.iter().enumerate() {
+                    rec[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            });
+    }
+}
+
+/// A small fast PRNG (SplitMix64) for filling large buffers.
+pub(crate) struct SplitMix(pub(crate) u64);
+impl SplitMix {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn fill(&mut self, buf: &mut [u8]) {
+        let mut chunks = buf.chunks_exact_mut(8);
+        for c in &mut chunks {
+            c.copy_from_slice(&self.next().to_le_bytes());
+        }
+        let rest = chunks.into_remainder();
+        let v = self.next().to_le_bytes();
+        rest.copy_from_slice(&v[..rest.len()]);
+    }
+    /// Uniform in [0, 1).
+    pub(crate) fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Makes one random block valid: finite scales of a sensible size, no NaN codes.
+fn fix_block(fmt: RowFormat, b: &mut [u8], rng: &mut SplitMix) {
+    use crate::quant::GgmlType as G;
+    let f16_scale = |rng: &mut SplitMix| {
+        let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
+        half::f16::from_f32(sign * (1e-3 + 2e-2 * rng.unit()))
+            .to_bits()
+            .to_le_bytes()
+    };
+    match fmt {
+        RowFormat::Ggml(G::F32) => {
+            let v = rng.unit() * 2.0 - 1.0;
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+        RowFormat::Ggml(G::F16) => b.copy_from_slice(
+            &half::f16::from_f32(rng.unit() * 2.0 - 1.0)
+                .to_bits()
+                .to_le_bytes(),
+        ),
+        RowFormat::Ggml(G::BF16) => b.copy_from_slice(
+            &half::bf16::from_f32(rng.unit() * 2.0 - 1.0)
+                .to_bits()
+                .to_le_bytes(),
+        ),
+        RowFormat::Ggml(_) => b[0..2].copy_from_slice(&f16_scale(rng)),
+        RowFormat::Nvfp4 => {
+            for s in &mut b[0..4] {
+                // Positive E4M3 with exponent field 1..9.
+                *s = ((1 + (rng.next() % 9) as u8) << 3) | (rng.next() & 7) as u8;
+            }
+        }
+        RowFormat::Fp8B128 => {
+            b[0..4].copy_from_slice(&(0.005 + 0.01 * rng.unit()).to_le_bytes());
+            for q in &mut b[4..] {
+                if *q & 0x7f == 0x7f {
+                    *q &= 0xf7; // NaN → the largest magnitude below 448.
+                }
+            }
+        }
+    }
+}
+
+/// Per-call scratch, sized once for the largest batch; reused without allocation.
+pub struct MoeScratch {
+    max_pairs: usize,
+    shape: ExpertShape,
+    counts: Vec<u32>,
+    /// Active experts in increasing id order and where their pairs start in `pairs`.
+    active: Vec<u32>,
+    active_start: Vec<u32>,
+    /// (token, weight) per routed pair, grouped by expert.
+    pairs: Vec<(u32, f32)>,
+    /// `h` rows, one per pair: `silu(g) · u`, `I` values.
+    h: SharedBuf,
+    /// Per-worker dequantisation buffers of `max(H, I)` values.
+    rows: Vec<SharedBuf>,
+}
+
+/// A buffer written by disjoint ranges from several workers.
+struct SharedBuf(UnsafeCell<Vec<f32>>);
+// SAFETY: workers write disjoint ranges (one task owns each range), and reads of a phase's
+// output happen only after `ExpertPool::run` has returned (a full barrier).
+unsafe impl Sync for SharedBuf {}
+impl SharedBuf {
+    fn new(n: usize) -> Self {
+        SharedBuf(UnsafeCell::new(vec![0f32; n]))
+    }
+    #[allow(clippy::mut_from_ref)]
+    /// SAFETY: the caller guarantees no other live reference overlaps `range`.
+    unsafe fn slice_mut(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+        let v = &mut *self.0.get();
+        &mut v[range]
+    }
+    unsafe fn slice(&self, range: std::ops::Range<usize>) -> &[f32] {
+        let v = &*self.0.get();
+        &v[range]
+    }
+}
+
+impl MoeScratch {
+    /// Scratch for up to `max_tokens × top_k` routed pairs over `experts` experts, run by
+    /// `workers` workers.
+    pub fn new(
+        shape: ExpertShape,
+        experts: usize,
+        max_tokens: usize,
+        top_k: usize,
+        workers: usize,
+    ) -> MoeScratch {
+        let max_pairs = max_tokens * top_k;
+        MoeScratch {
+            max_pairs,
+            shape,
+            counts: vec![0; experts],
+            active: Vec::with_capacity(max_pairs),
+            active_start: Vec::with_capacity(max_pairs + 1),
+            pairs: vec![(0, 0.0); max_pairs],
+            h: SharedBuf::new(max_pairs * shape.intermediate),
+            rows: (0..workers)
+                .map(|_| SharedBuf::new(shape.hidden.max(shape.intermediate)))
+                .collect(),
+        }
+    }
+}
+
+/// Rows per phase-1 task (gate/up pairs) and per phase-2 task (output rows).
+const GATE_UP_ROWS_PER_TASK: usize = 16;
+const DOWN_ROWS_PER_TASK: usize = 32;
+
+/// `out[t] += Σ_k weights[t·k] · expert_{ids[t·k]}(x[t])` for `n = x.len() / H` tokens.
+///
+/// `ids`/`weights` hold `top_k` entries per token (as `MoeRouting`). `isa` must be supported
+/// by the CPU (use [`Isa::detect`]). Allocation-free once `scratch` is sized.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts(
+    pool: &ExpertPool,
+    isa: Isa,
+    set: &ExpertSet,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    out: &mut [f32],
+    scratch: &mut MoeScratch,
+) -> Result<()> {
+    let ExpertShape {
+        hidden: h_dim,
+        intermediate: i_dim,
+    } = set.layout.shape;
+    let n = x.len() / h_dim;
+    if x.len() != n * h_dim
+        || out.len() != x.len()
+        || ids.len() != n * top_k
+        || weights.len() != ids.len()
+    {
+        bail!(
+            "moe_experts: x has {} values, out {}, ids {}, weights {}; expected multiples of H = {h_dim} with top_k = {top_k} per token",
+            x.len(),
+            out.len(),
+            ids.len(),
+            weights.len()
+        );
+    }
+    if ids.len() > scratch.max_pairs
+        || scratch.shape != set.layout.shape
+        || scratch.rows.len() < pool.threads()
+        || scratch.counts.len() < set.experts
+    {
+        bail!("moe_experts: scratch was sized for {} pairs / shape {:?} / {} workers, called with {} pairs / {:?} / {} workers", scratch.max_pairs, scratch.shape, scratch.rows.len(), ids.len(), set.layout.shape, pool.threads());
+    }
+    if isa > Isa::best_supported() {
+        bail!(
+            "ISA {} is not supported by this CPU (best: {})",
+            isa.name(),
+            Isa::best_supported().name()
+        );
+    }
+    if let Some(&bad) = ids.iter().find(|&&e| e as usize >= set.experts) {
+        bail!(
+            "moe_experts: expert id {bad} out of range (the set has {} experts)",
+            set.experts
+        );
+    }
+
+    // Group pairs by expert (counting sort; expert order fixes the summation order).
+    let s = &mut *scratch;
+    s.counts.iter_mut().for_each(|c| *c = 0);
+    for &e in ids {
+        s.counts[e as usize] += 1;
+    }
+    s.active.clear();
+    s.active_start.clear();
+    let mut pos = 0u32;
+    for (e, c) in s.counts.iter_mut().enumerate() {
+        if *c > 0 {
+            s.active.push(e as u32);
+            s.active_start.push(pos);
+            let count = *c;
+            *c = pos; // becomes the insertion cursor
+            pos += count;
+        }
+    }
+    s.active_start.push(pos);
+    for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        let cursor = &mut s.counts[e as usize];
+        s.pairs[*cursor as usize] = ((p / top_k) as u32, w);
+        *cursor += 1;
+    }
+
+    let (fmt, down_fmt) = (set.layout.format, set.layout.down_format);
+    let (active, active_start, pairs, hbuf, rows) =
+        (&s.active, &s.active_start, &s.pairs, &s.h, &s.rows);
+
+    // Phase 1: h[pair] = silu(gate · x) ⊙ (up · x).
+    let blocks_per_expert = i_dim.div_ceil(GATE_UP_ROWS_PER_TASK);
+    let tasks = active.len() * blocks_per_expert;
+    let next = AtomicUsize::new(0);
+    pool.run(&|worker| {
+        // SAFETY: each worker uses only its own row buffer.
+        let row = unsafe { rows[worker].slice_mut(0..h_dim) };
+        loop {
+            let t = next.fetch_add(1, Ordering::Relaxed);
+            if t >= tasks {
+                break;
+            }
+            let (a, blk) = (t / blocks_per_expert, t % blocks_per_expert);
+            let e = active[a] as usize;
+            let [mg, mu, _] = set.multipliers(e);
+            let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
+            for i in blk * GATE_UP_ROWS_PER_TASK..((blk + 1) * GATE_UP_ROWS_PER_TASK).min(i_dim) {
+                let mut g = [0f32; 32];
+                let mut u = [0f32; 32];
+                let mut done = 0;
+                // Pairs in chunks of 32 (more than 32 tokens on one expert is rare).
+                while done < p1 - p0 {
+                    let chunk = (p1 - p0 - done).min(32);
+                    format::dequantize_row(isa, fmt, set.row(e, ExpertMatrix::Gate, i), row);
+                    for (c, gv) in g[..chunk].iter_mut().enumerate() {
+                        let tok = pairs[p0 + done + c].0 as usize;
+                        *gv = dot::dot(isa, row, &x[tok * h_dim..(tok + 1) * h_dim]) * mg;
+                    }
+                    format::dequantize_row(isa, fmt, set.row(e, ExpertMatrix::Up, i), row);
+                    for (c, uv) in u[..chunk].iter_mut().enumerate() {
+                        let tok = pairs[p0 + done + c].0 as usize;
+                        *uv = dot::dot(isa, row, &x[tok * h_dim..(tok + 1) * h_dim]) * mu;
+                    }
+                    for c in 0..chunk {
+                        let p = p0 + done + c;
+                        // SAFETY: element (p, i) is written by this task only.
+                        unsafe {
+                            hbuf.slice_mut(p * i_dim + i..p * i_dim + i + 1)[0] = silu(g[c]) * u[c]
+                        };
+                    }
+                    done += chunk;
+                }
+            }
+        }
+    });
+
+    // Phase 2: out[token][j] += w · (down_e[j] · h[pair]), experts in id order.
+    let down_tasks = h_dim.div_ceil(DOWN_ROWS_PER_TASK);
+    let next = AtomicUsize::new(0);
+    let out_buf = SharedOut(out.as_mut_ptr(), out.len());
+    let out_ref = &out_buf;
+    pool.run(&|worker| {
+        // SAFETY: each worker uses only its own row buffer.
+        let row = unsafe { rows[worker].slice_mut(0..i_dim) };
+        loop {
+            let t = next.fetch_add(1, Ordering::Relaxed);
+            if t >= down_tasks {
+                break;
+            }
+            let (j0, j1) = (
+                t * DOWN_ROWS_PER_TASK,
+                ((t + 1) * DOWN_ROWS_PER_TASK).min(h_dim),
+            );
+            for (a, &e) in active.iter().enumerate() {
+                let e = e as usize;
+                let md = set.multipliers(e)[2];
+                let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
+                for j in j0..j1 {
+                    format::dequantize_row(isa, down_fmt, set.row(e, ExpertMatrix::Down, j), row);
+                    for (p, &(tok, w)) in pairs.iter().enumerate().take(p1).skip(p0) {
+                        // SAFETY: phase 1 finished (barrier); h rows are only read now.
+                        let hrow = unsafe { hbuf.slice(p * i_dim..(p + 1) * i_dim) };
+                        let y = dot::dot(isa, row, hrow) * md;
+                        // SAFETY: output rows j0..j1 belong to this task only.
+                        unsafe { out_ref.add(tok as usize * h_dim + j, w * y) };
+                    }
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+struct SharedOut(*mut f32, usize);
+// SAFETY: tasks write disjoint output elements (see `moe_experts`).
+unsafe impl Sync for SharedOut {}
+impl SharedOut {
+    unsafe fn add(&self, i: usize, v: f32) {
+        assert!(i < self.1);
+        *self.0.add(i) += v;
+    }
+}

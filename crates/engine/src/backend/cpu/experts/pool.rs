@@ -1,0 +1,251 @@
+//! A worker pool for expert work: one thread per physical core (pinned on Linux), jobs
+//! dispatched without locks or allocation.
+//!
+//! [`ExpertPool::run`] hands the same closure to every worker (the calling thread is worker 0)
+//! and returns when all have finished; the closure splits its work itself, usually by pulling
+//! task indices from an atomic counter so that no core idles while another has work. Idle
+//! workers spin briefly on a generation counter (a decode step issues many jobs in a row)
+//! and then park; `run` unparks them, which is an atomic operation, not a lock.
+//!
+//! Why not rayon: a rayon `scope` allocates per spawned job and its work stealing is tuned
+//! for recursive splitting; here every call is a flat loop over tasks, and threads must be
+//! pinned to distinct physical cores for memory bandwidth to scale.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+type Job<'a> = dyn Fn(usize) + Sync + 'a;
+
+struct Shared {
+    generation: AtomicU64,
+    /// The current job: a `*const Job` with its lifetime erased (valid while `run` waits).
+    job: AtomicUsize,
+    job_meta: AtomicUsize,
+    done: AtomicUsize,
+    stop: AtomicBool,
+    panicked: AtomicBool,
+}
+
+/// A pool of `threads` workers (including the caller).
+pub struct ExpertPool {
+    shared: Arc<Shared>,
+    workers: Vec<(JoinHandle<()>, Thread)>,
+    threads: usize,
+    pub cores: Vec<usize>,
+}
+
+/// The first logical CPU of each physical core this process may run on (Linux), in order;
+/// elsewhere, `0..available_parallelism`.
+pub fn physical_cores() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        let allowed = allowed_cpus();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut cores = Vec::new();
+        for cpu in allowed {
+            let read = |f: &str| {
+                std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu{cpu}/topology/{f}"))
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i64>().ok())
+            };
+            let key = (
+                read("physical_package_id").unwrap_or(0),
+                read("core_id").unwrap_or(cpu as i64),
+            );
+            if seen.insert(key) {
+                cores.push(cpu);
+            }
+        }
+        if !cores.is_empty() {
+            return cores;
+        }
+    }
+    (0..thread::available_parallelism().map_or(1, |n| n.get())).collect()
+}
+
+#[cfg(target_os = "linux")]
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return (0..thread::available_parallelism().map_or(1, |n| n.get())).collect();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+fn pin_to(cpu: usize) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: as above; pinning the calling thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cpu;
+}
+
+const SPIN: Duration = Duration::from_micros(200);
+
+impl ExpertPool {
+    /// A pool of `threads` workers (0: one per physical core). Workers 1.. are pinned to
+    /// distinct physical cores; the caller (worker 0) is not pinned (it is the caller's
+    /// thread), unless `pin_caller` is set.
+    pub fn new(threads: usize, pin_caller: bool) -> ExpertPool {
+        let cores = physical_cores();
+        let threads = if threads == 0 { cores.len() } else { threads };
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: AtomicUsize::new(0),
+            job_meta: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+        });
+        if pin_caller {
+            pin_to(cores[0]);
+        }
+        let mut workers = Vec::new();
+        for w in 1..threads {
+            let shared = shared.clone();
+            let cpu = cores.get(w % cores.len()).copied();
+            let h = thread::Builder::new()
+                .name(format!("capy-expert-{w}"))
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        pin_to(cpu);
+                    }
+                    worker_loop(&shared, w)
+                })
+                .expect("spawning an expert worker thread");
+            let t = h.thread().clone();
+            workers.push((h, t));
+        }
+        ExpertPool {
+            shared,
+            workers,
+            threads,
+            cores,
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `job(worker)` on every worker (0 = the caller) and waits for all of them.
+    pub fn run(&self, job: &(dyn Fn(usize) + Sync)) {
+        if self.threads == 1 {
+            job(0);
+            return;
+        }
+        let s = &*self.shared;
+        // SAFETY: a fat pointer split into two words; workers rebuild it only for this
+        // generation, and we do not return before every worker is done with it.
+        let raw: [usize; 2] =
+            unsafe { std::mem::transmute::<*const Job<'_>, [usize; 2]>(job as *const Job<'_>) };
+        s.job.store(raw[0], Ordering::Relaxed);
+        s.job_meta.store(raw[1], Ordering::Relaxed);
+        s.done.store(0, Ordering::Relaxed);
+        s.generation.fetch_add(1, Ordering::Release);
+        for (_, t) in &self.workers {
+            t.unpark();
+        }
+        job(0);
+        let start = Instant::now();
+        while s.done.load(Ordering::Acquire) != self.threads - 1 {
+            if start.elapsed() < SPIN {
+                std::hint::spin_loop();
+            } else {
+                thread::yield_now();
+            }
+        }
+        if s.panicked.load(Ordering::Relaxed) {
+            panic!("an expert worker thread panicked");
+        }
+    }
+}
+
+fn worker_loop(s: &Shared, worker: usize) {
+    let mut seen = 0u64;
+    loop {
+        let start = Instant::now();
+        let gen = loop {
+            let g = s.generation.load(Ordering::Acquire);
+            if g != seen || s.stop.load(Ordering::Relaxed) {
+                break g;
+            }
+            if start.elapsed() < SPIN {
+                std::hint::spin_loop();
+            } else {
+                thread::park_timeout(Duration::from_millis(10));
+            }
+        };
+        if s.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        seen = gen;
+        let raw = [
+            s.job.load(Ordering::Relaxed),
+            s.job_meta.load(Ordering::Relaxed),
+        ];
+        // SAFETY: `run` keeps the job alive until `done` reaches the worker count.
+        let job: &Job<'_> = unsafe { &*std::mem::transmute::<[usize; 2], *const Job<'_>>(raw) };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(worker))).is_err() {
+            s.panicked.store(true, Ordering::Relaxed);
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+impl Drop for ExpertPool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for (h, t) in self.workers.drain(..) {
+            t.unpark();
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_exactly_once_across_workers() {
+        for threads in [1, 2, 3] {
+            let pool = ExpertPool::new(threads, false);
+            for round in 0..200 {
+                let n = 50 + round % 7;
+                let next = AtomicUsize::new(0);
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(&|_| loop {
+                    let t = next.fetch_add(1, Ordering::Relaxed);
+                    if t >= n {
+                        break;
+                    }
+                    hits[t].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "threads {threads} round {round}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn physical_cores_are_distinct_and_nonempty() {
+        let c = physical_cores();
+        assert!(!c.is_empty());
+        let set: std::collections::BTreeSet<_> = c.iter().collect();
+        assert_eq!(set.len(), c.len());
+    }
+}
