@@ -18,5 +18,6 @@ pub mod model;
 pub mod quant;
 pub mod sampling;
 pub mod scheduler;
+pub mod synthetic;
 pub mod tensor;
 pub mod tokenizer;

@@ -11,6 +11,8 @@
 //! others on the whole batch at once.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::tensor::HostTensor;
 use anyhow::Result;

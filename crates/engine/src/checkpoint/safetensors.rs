@@ -25,7 +25,7 @@ struct Entry {
 
 /// All tensors of a checkpoint, across its shards.
 pub struct SafetensorStore {
-    shards: Vec<(PathBuf, Arc<MappedFile>)>,
+    shards: Vec<(PathBuf, Arc<dyn AsRef<[u8]> + Send + Sync>)>,
     entries: HashMap<String, Entry>,
 }
 
@@ -142,6 +142,38 @@ impl SafetensorStore {
         }
         self.shards.push((path.to_path_buf(), Arc::new(MappedFile(map))));
         Ok(())
+    }
+
+    /// A store over one in-memory buffer (synthetic weights for benchmarks): each tensor is
+    /// `(name, dtype, shape, byte offset)` into `buffer`; tensors may overlap. `label` stands in
+    /// for the file name in messages.
+    pub fn from_buffer(
+        label: PathBuf,
+        buffer: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        tensors: Vec<(String, DType, Vec<usize>, usize)>,
+    ) -> Result<Self> {
+        let total = (*buffer).as_ref().len();
+        let mut entries = HashMap::new();
+        for (name, dtype, shape, start) in tensors {
+            let len = shape.iter().product::<usize>() * dtype.size();
+            if start + len > total {
+                bail!("tensor {name} ({len} bytes at {start}) lies outside the {total}-byte buffer {}", label.display());
+            }
+            entries.insert(
+                name,
+                Entry {
+                    shard: 0,
+                    dtype,
+                    shape,
+                    start,
+                    len,
+                },
+            );
+        }
+        Ok(SafetensorStore {
+            shards: vec![(label, buffer)],
+            entries,
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -1,0 +1,289 @@
+//! Benchmarks on the CUDA backend: device ceilings measured in-process (copy bandwidth, BF16
+//! GEMM rate) and a synthetic full-size model run whose figures are reported as ratios to
+//! those ceilings.
+
+use super::{CudaBackend, DevBuf};
+use crate::model::{qwen3_5_text::Qwen3_5Text, BatchItem, CausalLm, LogitsWanted};
+use anyhow::{Context, Result};
+use cudarc::cublas::sys as blas_sys;
+use cudarc::driver::{result as drv, sys as drv_sys};
+use serde_json::{json, Value};
+use std::time::Instant;
+
+impl CudaBackend {
+    /// Milliseconds of GPU time `work` queues, between two events on the stream.
+    pub fn time_ms(&self, work: impl FnOnce()) -> Result<f32> {
+        self.bind();
+        let start = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let end = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        // SAFETY: events and stream are live; destroyed below.
+        unsafe {
+            drv::event::record(start, self.stream()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            work();
+            drv::event::record(end, self.stream()).map_err(|e| anyhow::anyhow!("{e}"))?;
+            drv::event::synchronize(end).map_err(|e| anyhow::anyhow!("CUDA work failed: {e}"))?;
+            let ms = drv::event::elapsed(start, end).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let _ = drv::event::destroy(start);
+            let _ = drv::event::destroy(end);
+            Ok(ms)
+        }
+    }
+
+    fn random_bf16(&self, len: usize, seed: u64) -> Result<DevBuf> {
+        let mut s = seed | 1;
+        let host: Vec<u16> = (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                half::bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).to_bits()
+            })
+            .collect();
+        let buf = self.try_alloc(len * 2, "benchmark matrix", false)?;
+        // SAFETY: the buffer holds exactly these bytes.
+        unsafe { drv::memcpy_htod_async(buf.ptr, &host, self.stream()) }
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        self.synchronize()?;
+        Ok(buf)
+    }
+
+    /// Device-to-device copy bandwidth in bytes/s, counting bytes read and written (the
+    /// convention of the DESIGN.md ceilings), over a `bytes`-sized buffer.
+    pub fn measure_copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
+        let src = self.try_alloc(bytes, "bandwidth probe", false)?;
+        let dst = self.try_alloc(bytes, "bandwidth probe", false)?;
+        for _ in 0..2 {
+            self.copy_dtod(dst.ptr, src.ptr, bytes);
+        }
+        let ms = self.time_ms(|| {
+            for _ in 0..reps {
+                self.copy_dtod(dst.ptr, src.ptr, bytes);
+            }
+        })?;
+        Ok(2.0 * bytes as f64 * reps as f64 / (ms as f64 / 1e3))
+    }
+
+    /// BF16 × BF16 → F32 GEMM rate (f32 accumulation, the prefill path's configuration) in FLOP/s
+    /// on random `n × n × n` operands.
+    pub fn measure_bf16_gemm_rate(&self, n: usize, reps: usize) -> Result<f64> {
+        let a = self.random_bf16(n * n, 1)?;
+        let b = self.random_bf16(n * n, 2)?;
+        let c = self.try_alloc(n * n * 4, "benchmark output", false)?;
+        let bf = blas_sys::cudaDataType::CUDA_R_16BF;
+        let run = || {
+            self.gemm(
+                true,
+                false,
+                n,
+                n,
+                n,
+                1.0,
+                (a.ptr, bf, n),
+                (b.ptr, bf, n),
+                (c.ptr, n),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        for _ in 0..3 {
+            run();
+        }
+        let ms = self.time_ms(|| {
+            for _ in 0..reps {
+                run();
+            }
+        })?;
+        Ok(2.0 * (n as f64).powi(3) * reps as f64 / (ms as f64 / 1e3))
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct SyntheticBenchOptions {
+    pub shape: String,
+    pub device: usize,
+    pub vram_budget: Option<u64>,
+    /// Prompt tokens prefilled (and timed) before decoding.
+    pub context: usize,
+    pub decode_steps: usize,
+    pub seed: u64,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Builds the synthetic model on the GPU, prefills `context` tokens (timed), then times
+/// `decode_steps` single-token steps at that context. Returns the figures as JSON.
+pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
+    let backend = CudaBackend::new(opts.device, opts.vram_budget)?;
+    let info = backend.device_info().clone();
+    let copy_bw = backend.measure_copy_bandwidth(2 << 30, 10)?;
+    let gemm_rate = backend.measure_bf16_gemm_rate(8192, 10)?;
+
+    let t0 = Instant::now();
+    let ck = crate::synthetic::checkpoint(&opts.shape, opts.seed)?;
+    let c = ck.config.clone();
+    let mut model = Qwen3_5Text::load(backend.clone(), &ck)
+        .context("building the synthetic model on the GPU")?;
+    drop(ck);
+    backend.synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let ledger_after_load = backend.ledger();
+
+    // Bytes every decode step reads: all weights but the embedding table (one row is gathered).
+    let embed_bytes = (c.vocab_size * c.hidden_size * 2) as u64;
+    let weight_bytes_per_token = ledger_after_load.weights - embed_bytes;
+    // Matmul parameters per token (prefill FLOPs), lm_head excluded (it runs on the last row only).
+    let head_params = (c.vocab_size * c.hidden_size) as f64;
+    let matmul_params = weight_bytes_per_token as f64 / 2.0 - head_params;
+
+    let mut rng = opts.seed | 1;
+    let mut token = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % c.vocab_size as u64) as u32
+    };
+
+    // Warm-up: cuBLAS heuristics, the memory pool, both attention paths.
+    {
+        let s = model.new_sequence();
+        let warm: Vec<u32> = (0..256).map(|_| token()).collect();
+        model.forward(&[BatchItem {
+            seq: s,
+            tokens: &warm,
+            logits: LogitsWanted::Last,
+        }])?;
+        for _ in 0..2 {
+            let t = [token()];
+            model.forward(&[BatchItem {
+                seq: s,
+                tokens: &t,
+                logits: LogitsWanted::Last,
+            }])?;
+        }
+        model.drop_sequence(s);
+        backend.synchronize()?;
+    }
+
+    let seq = model.new_sequence();
+    let prompt: Vec<u32> = (0..opts.context).map(|_| token()).collect();
+    let t = Instant::now();
+    let logits = model.forward(&[BatchItem {
+        seq,
+        tokens: &prompt,
+        logits: LogitsWanted::Last,
+    }])?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        logits[0].iter().all(|x| x.is_finite()),
+        "prefill produced non-finite logits"
+    );
+    let n = opts.context as f64;
+    let attn_layers = c
+        .layer_types
+        .iter()
+        .filter(|t| **t == crate::config::LayerType::FullAttention)
+        .count() as f64;
+    // Causal attention: QKᵀ and PV, 2 FLOPs per multiply-add, n(n+1)/2 query-key pairs per head.
+    let attn_flops =
+        attn_layers * 4.0 * (c.num_attention_heads * c.head_dim) as f64 * n * (n + 1.0) / 2.0;
+    let prefill_flops = 2.0 * matmul_params * n + 2.0 * head_params + attn_flops;
+    let prefill_tok_s = n / prefill_s;
+
+    let mut step_s = Vec::with_capacity(opts.decode_steps);
+    let mut next = logits[0]
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .unwrap_or(0);
+    let t_all = Instant::now();
+    for _ in 0..opts.decode_steps {
+        let t = Instant::now();
+        let out = model.forward(&[BatchItem {
+            seq,
+            tokens: &[next],
+            logits: LogitsWanted::Last,
+        }])?;
+        step_s.push(t.elapsed().as_secs_f64());
+        next = out[0]
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i as u32)
+            .unwrap_or(0);
+    }
+    let decode_total_s = t_all.elapsed().as_secs_f64();
+    let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
+    let median_step = median(&mut step_s.clone());
+    let context_at_end = opts.context + opts.decode_steps;
+    // KV (f32) and GDN state bytes each decode step also reads.
+    let kv_bytes =
+        (attn_layers as usize * 2 * context_at_end * c.num_key_value_heads * c.head_dim * 4) as u64;
+    let gdn_layers = c.num_hidden_layers - attn_layers as usize;
+    let state_bytes = (gdn_layers
+        * c.linear_num_value_heads
+        * c.linear_key_head_dim
+        * c.linear_value_head_dim
+        * 4) as u64;
+    let roof_tok_s = copy_bw / weight_bytes_per_token as f64;
+    let roof_with_state = copy_bw / (weight_bytes_per_token + kv_bytes + state_bytes) as f64;
+
+    Ok(json!({
+        "benchmark": "synthetic",
+        "shape": opts.shape,
+        "weights": "bf16",
+        "exact_math": backend.exact_math(),
+        "machine": {
+            "gpu": info.name,
+            "compute_capability": format!("sm_{}{}", info.compute_capability.0, info.compute_capability.1),
+            "multiprocessors": info.multiprocessors,
+            "gpu_memory_bytes": info.total_memory,
+            "driver_cuda": format!("{}.{}", info.driver_version.0, info.driver_version.1),
+            "nvrtc": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
+            "host_threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        },
+        "ceilings": {
+            "device_copy_bytes_per_s": copy_bw,
+            "device_copy_note": "cuMemcpyDtoD of 2 GiB, bytes read + written, 10 repetitions",
+            "bf16_gemm_flop_per_s": gemm_rate,
+            "bf16_gemm_note": "cublasGemmEx 8192^3, BF16 in, F32 out, F32 accumulation, random operands, 10 repetitions",
+        },
+        "load_seconds": load_s,
+        "vram": {
+            "weights_bytes": ledger_after_load.weights,
+            "after_load_bytes": ledger_after_load.used,
+            "peak_bytes": backend.ledger().peak,
+        },
+        "prefill": {
+            "tokens": opts.context,
+            "seconds": prefill_s,
+            "tokens_per_s": prefill_tok_s,
+            "flops": prefill_flops,
+            "flop_per_s": prefill_flops / prefill_s,
+            "matmul_roofline_ratio": prefill_flops / prefill_s / gemm_rate,
+        },
+        "decode": {
+            "batch": 1,
+            "context_start": opts.context,
+            "steps": opts.decode_steps,
+            "tokens_per_s": decode_tok_s,
+            "median_step_ms": median_step * 1e3,
+            "weight_bytes_per_token": weight_bytes_per_token,
+            "kv_and_state_bytes_per_token": kv_bytes + state_bytes,
+            "roofline_tokens_per_s": roof_tok_s,
+            "bandwidth_roofline_ratio": decode_tok_s / roof_tok_s,
+            "bandwidth_roofline_ratio_with_kv_and_state": decode_tok_s / roof_with_state,
+            "peer_llama_cpp_q4_k_tokens_per_s": 86.7,
+            "ratio_to_peer_llama_cpp_q4_k": decode_tok_s / 86.7,
+        },
+    }))
+}

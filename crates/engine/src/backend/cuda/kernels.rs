@@ -1,0 +1,246 @@
+//! CUDA C kernels: the sources in `kernels/` (embedded in the binary), compiled by NVRTC at
+//! first use for the device's architecture and cached on disk.
+//!
+//! The cache key is the source hash, the architecture and the NVRTC version, so a new kernel
+//! source, a different GPU or an NVRTC upgrade each compile afresh. The cached artefact is a
+//! CUBIN (machine code for exactly that architecture), so loading it needs no PTX JIT.
+
+use anyhow::{bail, Context, Result};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The oldest NVRTC that compiles for the architectures the product targets (sm_120 needs 12.8).
+pub const MIN_NVRTC: (i32, i32) = (12, 8);
+
+const COMMON: &str = include_str!("../../../../../kernels/common.cuh");
+
+/// One kernel file, with the shared prelude already prepended.
+pub struct KernelSource {
+    pub name: &'static str,
+    pub source: String,
+    /// The `extern "C"` entry points it defines.
+    pub functions: Vec<String>,
+}
+
+fn matvec_functions() -> Vec<String> {
+    let mut v = Vec::new();
+    for dt in ["bf16", "f16", "f32"] {
+        for rows in 1..=super::MATVEC_MAX_ROWS {
+            v.push(format!("matvec_{dt}_{rows}"));
+        }
+    }
+    v
+}
+
+/// Every kernel file this backend uses.
+pub fn sources() -> Vec<KernelSource> {
+    let files: [(&str, &str, Vec<String>); 5] = [
+        (
+            "elementwise",
+            include_str!("../../../../../kernels/elementwise.cu"),
+            [
+                "embedding",
+                "add_assign",
+                "silu_mul",
+                "sigmoid_gate",
+                "copy_cols",
+                "delta_rule_gates",
+                "f32_to_bf16_kernel",
+                "f32_to_f16_kernel",
+                "weight_to_f32",
+                "rope",
+                "causal_conv1d_silu",
+            ]
+            .map(String::from)
+            .to_vec(),
+        ),
+        (
+            "norm",
+            include_str!("../../../../../kernels/norm.cu"),
+            vec!["rms_norm".into()],
+        ),
+        (
+            "matvec",
+            include_str!("../../../../../kernels/matvec.cu"),
+            matvec_functions(),
+        ),
+        (
+            "attention",
+            include_str!("../../../../../kernels/attention.cu"),
+            ["attn_split", "attn_combine", "causal_softmax"]
+                .map(String::from)
+                .to_vec(),
+        ),
+        (
+            "delta_rule",
+            include_str!("../../../../../kernels/delta_rule.cu"),
+            vec!["gated_delta_rule".into()],
+        ),
+    ];
+    files
+        .into_iter()
+        .map(|(name, body, functions)| KernelSource {
+            name,
+            source: format!("{COMMON}\n{body}"),
+            functions,
+        })
+        .collect()
+}
+
+/// FNV-1a, 64 bits: a hash that is stable across Rust releases (the cache outlives the binary).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in bytes {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+static NVRTC_READY: OnceLock<std::result::Result<(i32, i32), String>> = OnceLock::new();
+
+/// Makes sure libnvrtc can be used and returns its version.
+///
+/// `CAPY_NVRTC_LIB` may name the library file (e.g. the one inside the `nvidia-cuda-nvrtc`
+/// wheel); it is loaded first so that the loader's by-name search finds it already resident.
+/// Otherwise the usual search applies (`LD_LIBRARY_PATH`, the system's library folders).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    NVRTC_READY
+        .get_or_init(|| {
+            if let Ok(path) = std::env::var("CAPY_NVRTC_LIB") {
+                // SAFETY: loading libnvrtc runs only its (trusted, vendor) initialisers.
+                match unsafe { libloading::Library::new(&path) } {
+                    // Kept loaded for the life of the process.
+                    Ok(lib) => std::mem::forget(lib),
+                    Err(e) => return Err(format!("CAPY_NVRTC_LIB={path} cannot be loaded: {e}")),
+                }
+            }
+            // SAFETY: probing for the library has no side effects beyond loading it.
+            if !unsafe { nvrtc_sys::is_culib_present() } {
+                return Err(format!(
+                    "NVRTC (libnvrtc.so, CUDA {}.{} or newer) was not found. Install the CUDA runtime compiler \
+                     (the CUDA toolkit, or `pip install nvidia-cuda-nvrtc` and set CAPY_NVRTC_LIB to the \
+                     libnvrtc.so.* inside it), or add its folder to LD_LIBRARY_PATH",
+                    MIN_NVRTC.0, MIN_NVRTC.1
+                ));
+            }
+            let (mut major, mut minor) = (0, 0);
+            // SAFETY: plain out-parameters.
+            let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+            if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+                return Err(format!("nvrtcVersion failed: {r:?}"));
+            }
+            if (major, minor) < MIN_NVRTC {
+                return Err(format!(
+                    "NVRTC {major}.{minor} was found; Capy Flash needs NVRTC {}.{} or newer (it compiles for sm_90 and sm_120). \
+                     Install a newer CUDA toolkit or `pip install nvidia-cuda-nvrtc`",
+                    MIN_NVRTC.0, MIN_NVRTC.1
+                ));
+            }
+            Ok((major, minor))
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// The architectures this NVRTC can compile for, as `sm_XY` numbers (e.g. 90, 120).
+pub fn supported_archs() -> Result<Vec<i32>> {
+    nvrtc_version()?;
+    let mut n = 0;
+    // SAFETY: out-parameters sized by the first call.
+    unsafe {
+        nvrtc_sys::nvrtcGetNumSupportedArchs(&mut n)
+            .result()
+            .map_err(|e| anyhow::anyhow!("nvrtcGetNumSupportedArchs: {e:?}"))?;
+        let mut archs = vec![0i32; n.max(0) as usize];
+        nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr())
+            .result()
+            .map_err(|e| anyhow::anyhow!("nvrtcGetSupportedArchs: {e:?}"))?;
+        Ok(archs)
+    }
+}
+
+/// Compiles one kernel file for `sm_{arch}` and returns the CUBIN.
+pub fn compile_cubin(src: &KernelSource, arch: i32) -> Result<Vec<u8>> {
+    let (major, minor) = nvrtc_version()?;
+    let archs = supported_archs()?;
+    if !archs.contains(&arch) {
+        bail!("NVRTC {major}.{minor} cannot compile for sm_{arch}; it supports {archs:?}. Install a newer CUDA toolkit or NVRTC");
+    }
+    let code = CString::new(src.source.as_str()).context("kernel source contains a NUL byte")?;
+    let name = CString::new(format!("{}.cu", src.name)).expect("kernel file names have no NUL");
+    let prog = nvrtc::create_program(&code, Some(&name))
+        .map_err(|e| anyhow::anyhow!("nvrtcCreateProgram({}): {e:?}", src.name))?;
+    let options = [
+        format!("--gpu-architecture=sm_{arch}"),
+        "--std=c++17".to_string(),
+    ];
+    // SAFETY: `prog` is a live program; it is destroyed below on every path.
+    let compiled = unsafe { nvrtc::compile_program(prog, &options) };
+    let result = (|| {
+        if let Err(e) = compiled {
+            // SAFETY: the log is read from the same live program.
+            let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
+            let log = unsafe { CStr::from_ptr(log.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            bail!("NVRTC {major}.{minor} failed to compile kernels/{}.cu for sm_{arch} ({e:?}):\n{log}", src.name);
+        }
+        let mut size = 0usize;
+        // SAFETY: sizes come from NVRTC for this program.
+        unsafe {
+            nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .map_err(|e| anyhow::anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+            let mut cubin = vec![0u8; size];
+            nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
+                .result()
+                .map_err(|e| anyhow::anyhow!("nvrtcGetCUBIN: {e:?}"))?;
+            Ok(cubin)
+        }
+    })();
+    // SAFETY: destroyed exactly once.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}
+
+/// Where compiled kernels are cached: `$XDG_CACHE_HOME/capy-flash/kernels` (or `CAPY_KERNEL_CACHE`).
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Ok(dir) = std::env::var("CAPY_KERNEL_CACHE") {
+        return Some(PathBuf::from(dir));
+    }
+    directories::ProjectDirs::from("", "", "capy-flash").map(|d| d.cache_dir().join("kernels"))
+}
+
+/// The CUBIN of one kernel file for `sm_{arch}`: from the disk cache, else compiled and cached.
+pub fn cubin(src: &KernelSource, arch: i32) -> Result<Vec<u8>> {
+    let (major, minor) = nvrtc_version()?;
+    let key = format!(
+        "{}-{:016x}-sm_{arch}-nvrtc{major}.{minor}.cubin",
+        src.name,
+        fnv1a(src.source.as_bytes())
+    );
+    let path = cache_dir().map(|d| d.join(&key));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+    }
+    let bytes = compile_cubin(src, arch)?;
+    if let Some(p) = &path {
+        // A cache that cannot be written only costs a recompile next time.
+        if let Some(dir) = p.parent() {
+            if std::fs::create_dir_all(dir).is_ok() {
+                let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                if std::fs::write(&tmp, &bytes).is_ok() && std::fs::rename(&tmp, p).is_err() {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+            }
+        }
+    }
+    Ok(bytes)
+}

@@ -1,0 +1,1199 @@
+//! The CUDA backend: the same ops as the CPU reference, on one GPU, through cudarc.
+//!
+//! Everything is loaded at run time (`libcuda`, `libnvrtc`, `libcublas`), so the binary builds
+//! and starts without a toolkit or a GPU; [`CudaBackend::new`] says what is missing.
+//!
+//! - Activations ([`CudaTensor`]) are f32 `[rows, cols]` device buffers; KV caches grow in
+//!   place with spare capacity.
+//! - Weights ([`CudaMatrix`]) stay in the checkpoint's dtype (BF16, F16 or F32). A linear layer
+//!   on a few rows (decode) runs the `matvec` kernel: f32 activations, f32 accumulation, each
+//!   weight read once. On many rows (prefill) it runs cuBLAS: by default with the activations
+//!   rounded to the weight's 16-bit type (BF16 tensor cores, f32 accumulation); with
+//!   `CAPY_EXACT_MATH=1` the weights are widened to f32 a block at a time and multiplied in f32,
+//!   so the result matches the CPU reference.
+//! - All work is queued on one stream; only [`Backend::to_host`] waits for it.
+//! - Every device allocation goes through a ledger that enforces the VRAM budget.
+
+pub mod bench;
+pub mod kernels;
+
+use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
+use crate::tensor::{DType, HostTensor};
+use anyhow::{bail, Result};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Rows up to which a linear layer uses the matvec kernel instead of cuBLAS.
+pub const MATVEC_MAX_ROWS: usize = 8;
+/// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
+/// split-KV kernel.
+const ATTENTION_GEMM_MIN_ROWS: usize = 16;
+/// Elements of the f32 scratch that the exact GEMM path widens weights into, and that holds
+/// attention scores (bounds workspace memory: 64 MiB).
+const SCRATCH_ELEMS: usize = 16 << 20;
+/// The oldest driver API version accepted: CUDA 13.0 (driver R580).
+pub const MIN_DRIVER: i32 = 13000;
+
+/// How many bytes are where; the ledger refuses any allocation past the budget.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    budget: Option<u64>,
+    used: AtomicU64,
+    peak: AtomicU64,
+    weights: AtomicU64,
+}
+
+/// A snapshot of the ledger.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct LedgerReport {
+    pub budget: Option<u64>,
+    /// Bytes allocated now (weights included).
+    pub used: u64,
+    /// The most ever allocated at once.
+    pub peak: u64,
+    /// Bytes held by weights (matrices and vectors).
+    pub weights: u64,
+}
+
+impl Ledger {
+    fn reserve(&self, bytes: u64, what: &str) -> Result<()> {
+        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
+        let after = before + bytes;
+        if let Some(budget) = self.budget {
+            if after > budget {
+                self.used.fetch_sub(bytes, Ordering::Relaxed);
+                bail!(
+                    "VRAM budget exceeded: {what} needs {bytes} bytes with {before} bytes already allocated \
+                     ({} of them weights); the budget is {budget} bytes (--vram-budget). Use a shorter context, \
+                     a smaller model or quantization, or a larger budget",
+                    self.weights.load(Ordering::Relaxed)
+                );
+            }
+        }
+        self.peak.fetch_max(after, Ordering::Relaxed);
+        Ok(())
+    }
+    fn release(&self, bytes: u64) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+    }
+    pub fn report(&self) -> LedgerReport {
+        LedgerReport {
+            budget: self.budget,
+            used: self.used.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+            weights: self.weights.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Facts about the device, found at start.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeviceInfo {
+    pub index: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: i32,
+    pub total_memory: u64,
+    pub driver_version: (i32, i32),
+    pub nvrtc_version: (i32, i32),
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Mutex<BlasHandle>,
+    functions: HashMap<String, Function>,
+    ledger: Ledger,
+    exact: bool,
+    info: DeviceInfo,
+    /// Device copy of the last RoPE frequency table, reused while it is unchanged.
+    inv_freq: Mutex<Option<(Vec<f32>, DevBuf)>>,
+}
+
+struct BlasHandle(blas_sys::cublasHandle_t);
+// SAFETY: the handle is only used under its mutex, on the backend's one stream.
+unsafe impl Send for BlasHandle {}
+
+#[derive(Clone, Copy)]
+struct Function(drv_sys::CUfunction);
+// SAFETY: CUDA functions are immutable handles, usable from any thread of the context.
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.stream.synchronize();
+        if let Ok(h) = self.blas.lock() {
+            // SAFETY: the handle was created by us and is destroyed once.
+            let _ = unsafe { blas::destroy_handle(h.0) };
+        }
+    }
+}
+
+/// A device allocation, returned to the pool (and the ledger) when dropped.
+struct DevBuf {
+    ptr: drv_sys::CUdeviceptr,
+    bytes: usize,
+    weight: bool,
+    dev: Arc<Inner>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            let _ = self.dev.ctx.bind_to_thread();
+            // SAFETY: allocated on this stream, freed once; later work on the stream is ordered after.
+            let _ = unsafe { drv::free_async(self.ptr, self.dev.stream.cu_stream()) };
+            self.dev.ledger.release(self.bytes as u64);
+            if self.weight {
+                self.dev
+                    .ledger
+                    .weights
+                    .fetch_sub(self.bytes as u64, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// A `[rows, cols]` f32 activation on the device, with room for `capacity` rows.
+pub struct CudaTensor {
+    rows: usize,
+    cols: usize,
+    capacity: usize,
+    buf: DevBuf,
+}
+
+impl CudaTensor {
+    fn ptr(&self) -> u64 {
+        self.buf.ptr
+    }
+    fn row_ptr(&self, r: usize) -> u64 {
+        self.buf.ptr + (r * self.cols * 4) as u64
+    }
+    fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+}
+
+impl Clone for CudaTensor {
+    fn clone(&self) -> Self {
+        let dev = CudaBackend {
+            inner: self.buf.dev.clone(),
+        };
+        let out = dev.alloc_act(self.rows, self.cols, self.rows);
+        dev.copy_dtod(out.ptr(), self.ptr(), self.len() * 4);
+        out
+    }
+}
+
+/// Stored type of a weight matrix (the code the kernels take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightType {
+    F32 = 0,
+    BF16 = 1,
+    F16 = 2,
+}
+
+impl WeightType {
+    fn name(self) -> &'static str {
+        match self {
+            WeightType::F32 => "f32",
+            WeightType::BF16 => "bf16",
+            WeightType::F16 => "f16",
+        }
+    }
+}
+
+/// A `[rows, cols]` weight matrix in its stored dtype.
+pub struct CudaMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    dtype: WeightType,
+    buf: DevBuf,
+}
+
+impl CudaMatrix {
+    /// Bytes the weights occupy on the device.
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes
+    }
+}
+
+/// A parameter vector, f32 on the device.
+pub struct CudaVector {
+    len: usize,
+    buf: DevBuf,
+}
+
+/// The CUDA backend on one device.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+/// Kernel arguments: each expression is copied into a local and passed by address.
+macro_rules! launch {
+    ($self:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
+        #[allow(unused_mut)]
+        let mut storage: Vec<Box<dyn std::any::Any>> = Vec::new();
+        let mut params: Vec<*mut c_void> = Vec::new();
+        $(
+            let boxed = Box::new($arg);
+            params.push(&*boxed as *const _ as *mut c_void);
+            storage.push(boxed);
+        )*
+        $self.launch_raw($name, $grid, $block, $smem, &mut params);
+        drop(storage);
+    }};
+}
+
+fn ceil_div(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+/// Grid size for a grid-stride loop over `n` elements with 256-thread blocks.
+fn grid_1d(n: usize) -> (u32, u32, u32) {
+    (ceil_div(n, 256).clamp(1, 65535 * 4) as u32, 1, 1)
+}
+
+/// Whether `CAPY_EXACT_MATH=1` asks for exact (f32-activation) math.
+pub fn exact_math_requested() -> bool {
+    std::env::var("CAPY_EXACT_MATH").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+}
+
+/// Checks that the CUDA driver can be used; returns its version as (major, minor).
+pub fn driver_version() -> Result<(i32, i32)> {
+    // SAFETY: probing for the library has no side effects beyond loading it.
+    if !unsafe { drv_sys::is_culib_present() } {
+        bail!(
+            "no CUDA driver found (libcuda.so); the CUDA backend needs an NVIDIA GPU with driver R580 or newer \
+             (CUDA {}.{}). Install the NVIDIA driver, or run on the CPU backend",
+            MIN_DRIVER / 1000,
+            (MIN_DRIVER % 1000) / 10
+        );
+    }
+    drv::init()
+        .map_err(|e| anyhow::anyhow!("cuInit failed: {e} (is a GPU visible to this process?)"))?;
+    let mut v = 0;
+    // SAFETY: out-parameter.
+    unsafe { drv_sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .map_err(|e| anyhow::anyhow!("cuDriverGetVersion: {e}"))?;
+    let found = (v / 1000, (v % 1000) / 10);
+    if v < MIN_DRIVER {
+        bail!(
+            "the CUDA driver supports CUDA {}.{}; Capy Flash needs CUDA {}.{} (driver R580 or newer). Update the NVIDIA driver",
+            found.0,
+            found.1,
+            MIN_DRIVER / 1000,
+            (MIN_DRIVER % 1000) / 10
+        );
+    }
+    Ok(found)
+}
+
+impl CudaBackend {
+    /// Opens device `device_index`. `vram_budget` caps the bytes this backend allocates;
+    /// exact math follows `CAPY_EXACT_MATH`.
+    pub fn new(device_index: usize, vram_budget: Option<u64>) -> Result<Self> {
+        Self::with_exact_math(device_index, vram_budget, exact_math_requested())
+    }
+
+    /// As [`CudaBackend::new`], choosing exact (f32-activation) math explicitly.
+    pub fn with_exact_math(
+        device_index: usize,
+        vram_budget: Option<u64>,
+        exact: bool,
+    ) -> Result<Self> {
+        let driver_version = driver_version()?;
+        let count =
+            CudaContext::device_count().map_err(|e| anyhow::anyhow!("cuDeviceGetCount: {e}"))?;
+        if device_index >= count.max(0) as usize {
+            bail!("CUDA device {device_index} does not exist; this machine has {count} CUDA device(s)");
+        }
+        let nvrtc_version = kernels::nvrtc_version()?;
+        if !unsafe { blas_sys::is_culib_present() } {
+            bail!("cuBLAS (libcublas.so) was not found; install the CUDA toolkit's cuBLAS or add its folder to LD_LIBRARY_PATH");
+        }
+        let ctx = CudaContext::new(device_index)
+            .map_err(|e| anyhow::anyhow!("cannot open CUDA device {device_index}: {e}"))?;
+        // One stream, so cudarc's cross-stream event tracking is not needed.
+        // SAFETY: nothing of ours uses cudarc's tracked slices.
+        unsafe { ctx.disable_event_tracking() };
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| anyhow::anyhow!("compute capability: {e}"))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let total_memory =
+            ctx.total_mem()
+                .map_err(|e| anyhow::anyhow!("cuDeviceTotalMem: {e}"))? as u64;
+        let multiprocessors = ctx
+            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| anyhow::anyhow!("device attribute: {e}"))?;
+        if let Some(b) = vram_budget {
+            if b > total_memory {
+                bail!("--vram-budget is {b} bytes but {name} has only {total_memory} bytes");
+            }
+        }
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| anyhow::anyhow!("cannot create a CUDA stream: {e}"))?;
+        // Keep freed memory in the stream-ordered pool instead of returning it at every sync.
+        // SAFETY: the default pool of this device; u64::MAX is a valid threshold.
+        unsafe {
+            let mut pool = std::ptr::null_mut();
+            if drv_sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                == drv_sys::CUresult::CUDA_SUCCESS
+            {
+                let mut threshold = u64::MAX;
+                let _ = drv_sys::cuMemPoolSetAttribute(
+                    pool,
+                    drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut c_void,
+                );
+            }
+        }
+        let arch = cc.0 * 10 + cc.1;
+        let mut functions = HashMap::new();
+        for src in kernels::sources() {
+            let cubin = kernels::cubin(&src, arch)?;
+            // SAFETY: a CUBIN compiled for this device's architecture; kept loaded for the context's life.
+            let module = unsafe { drv::module::load_data(cubin.as_ptr() as *const c_void) }
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "cannot load kernels/{}.cu compiled for sm_{arch}: {e}",
+                        src.name
+                    )
+                })?;
+            for f in &src.functions {
+                // SAFETY: the module is loaded; the name is one of its entry points.
+                let func = unsafe {
+                    drv::module::get_function(module, CString::new(f.as_str()).expect("no NUL"))
+                }
+                .map_err(|e| {
+                    anyhow::anyhow!("kernel {f} is missing from kernels/{}.cu: {e}", src.name)
+                })?;
+                functions.insert(f.clone(), Function(func));
+            }
+        }
+        let handle = blas::create_handle().map_err(|e| anyhow::anyhow!("cublasCreate: {e:?}"))?;
+        // SAFETY: the handle and stream are live.
+        unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(|e| anyhow::anyhow!("cublasSetStream: {e:?}"))?;
+        let info = DeviceInfo {
+            index: device_index,
+            name,
+            compute_capability: cc,
+            multiprocessors,
+            total_memory,
+            driver_version,
+            nvrtc_version,
+        };
+        Ok(CudaBackend {
+            inner: Arc::new(Inner {
+                ctx,
+                stream,
+                blas: Mutex::new(BlasHandle(handle)),
+                functions,
+                ledger: Ledger {
+                    budget: vram_budget,
+                    ..Default::default()
+                },
+                exact,
+                info,
+                inv_freq: Mutex::new(None),
+            }),
+        })
+    }
+
+    pub fn device_info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+    pub fn ledger(&self) -> LedgerReport {
+        self.inner.ledger.report()
+    }
+    pub fn exact_math(&self) -> bool {
+        self.inner.exact
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind();
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(|e| anyhow::anyhow!("CUDA stream failed: {e}"))
+    }
+
+    fn bind(&self) {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .expect("cannot make the CUDA context current on this thread");
+    }
+    fn stream(&self) -> drv_sys::CUstream {
+        self.inner.stream.cu_stream()
+    }
+
+    fn try_alloc(&self, bytes: usize, what: &str, weight: bool) -> Result<DevBuf> {
+        self.bind();
+        if bytes == 0 {
+            return Ok(DevBuf {
+                ptr: 0,
+                bytes: 0,
+                weight,
+                dev: self.inner.clone(),
+            });
+        }
+        self.inner.ledger.reserve(bytes as u64, what)?;
+        // SAFETY: stream-ordered allocation on our stream.
+        match unsafe { drv::malloc_async(self.stream(), bytes) } {
+            Ok(ptr) => {
+                if weight {
+                    self.inner
+                        .ledger
+                        .weights
+                        .fetch_add(bytes as u64, Ordering::Relaxed);
+                }
+                Ok(DevBuf {
+                    ptr,
+                    bytes,
+                    weight,
+                    dev: self.inner.clone(),
+                })
+            }
+            Err(e) => {
+                self.inner.ledger.release(bytes as u64);
+                let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
+                bail!(
+                    "CUDA out of memory allocating {bytes} bytes for {what} ({e}); the device has {free} of {total} bytes free, \
+                     this backend holds {} bytes",
+                    self.inner.ledger.used.load(Ordering::Relaxed)
+                )
+            }
+        }
+    }
+
+    fn alloc(&self, bytes: usize, what: &str) -> DevBuf {
+        self.try_alloc(bytes, what, false)
+            .unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    fn alloc_act(&self, rows: usize, cols: usize, capacity: usize) -> CudaTensor {
+        let capacity = capacity.max(rows);
+        CudaTensor {
+            rows,
+            cols,
+            capacity,
+            buf: self.alloc(capacity * cols * 4, "activations"),
+        }
+    }
+
+    fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
+        if bytes > 0 {
+            // SAFETY: both ranges are inside live allocations (callers check shapes).
+            unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream()) }
+                .expect("device copy failed");
+        }
+    }
+
+    /// Uploads `data` into a fresh buffer (small per-call tables: ids, positions).
+    fn upload<T: Copy>(&self, data: &[T], what: &str) -> DevBuf {
+        let buf = self.alloc(std::mem::size_of_val(data), what);
+        if buf.bytes > 0 {
+            // SAFETY: the buffer has exactly this many bytes; the copy from pageable memory is
+            // staged before the call returns, so `data` may be dropped afterwards.
+            unsafe { drv::memcpy_htod_async(buf.ptr, data, self.stream()) }
+                .expect("host-to-device copy failed");
+        }
+        buf
+    }
+
+    fn launch_raw(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) {
+        let f = self
+            .inner
+            .functions
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} is not loaded"));
+        // SAFETY: the parameters match the kernel's signature (each call site mirrors the .cu file).
+        unsafe { drv::launch_kernel(f.0, grid, block, smem, self.stream(), params) }
+            .unwrap_or_else(|e| {
+                panic!("launching kernel {name} (grid {grid:?}, block {block:?}) failed: {e}")
+            });
+    }
+
+    /// `C = op(A)·op(B)` in f32 through cuBLAS (column-major, as cuBLAS sees it).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        trans_a: bool,
+        trans_b: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: (u64, blas_sys::cudaDataType, usize),
+        b: (u64, blas_sys::cudaDataType, usize),
+        c: (u64, usize),
+        compute: blas_sys::cublasComputeType_t,
+    ) {
+        let op = |t| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let beta = 0f32;
+        let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");
+        // SAFETY: pointers and leading dimensions describe live device buffers (callers check shapes).
+        unsafe {
+            blas::gemm_ex(
+                h.0,
+                op(trans_a),
+                op(trans_b),
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                a.0 as *const c_void,
+                a.1,
+                a.2 as i32,
+                b.0 as *const c_void,
+                b.1,
+                b.2 as i32,
+                &beta as *const f32 as *const c_void,
+                c.0 as *mut c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                c.1 as i32,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .unwrap_or_else(|e| panic!("cublasGemmEx (m={m}, n={n}, k={k}) failed: {e:?}"));
+    }
+
+    /// The f32 compute type: plain f32 when exact, TF32 tensor cores otherwise.
+    fn f32_compute(&self) -> blas_sys::cublasComputeType_t {
+        if self.inner.exact {
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        } else {
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        }
+    }
+
+    fn elementwise_out(&self, name: &str, a: &CudaTensor, b: &CudaTensor) -> CudaTensor {
+        assert_eq!(
+            a.len(),
+            b.len(),
+            "{name}: operands have {} and {} values",
+            a.len(),
+            b.len()
+        );
+        let out = self.alloc_act(a.rows, a.cols, a.rows);
+        let n = a.len();
+        if n > 0 {
+            launch!(self, name, grid_1d(n), (256, 1, 1), 0; a.ptr(), b.ptr(), out.ptr(), n as u64);
+        }
+        out
+    }
+
+    fn inv_freq_device(&self, inv_freq: &[f32]) -> u64 {
+        let mut cached = self.inner.inv_freq.lock().expect("rope table poisoned");
+        if let Some((v, buf)) = cached.as_ref() {
+            if v.as_slice() == inv_freq {
+                return buf.ptr;
+            }
+        }
+        let buf = self.upload(inv_freq, "rope frequencies");
+        let ptr = buf.ptr;
+        *cached = Some((inv_freq.to_vec(), buf));
+        ptr
+    }
+
+    fn linear_gemm(&self, x: &CudaTensor, w: &CudaMatrix, out: &CudaTensor) {
+        let (n, k, m) = (x.rows, x.cols, w.rows);
+        use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+        let wtype = match w.dtype {
+            WeightType::F32 => CUDA_R_32F,
+            WeightType::BF16 => CUDA_R_16BF,
+            WeightType::F16 => CUDA_R_16F,
+        };
+        if w.dtype == WeightType::F32 {
+            self.gemm(
+                true,
+                false,
+                m,
+                n,
+                k,
+                1.0,
+                (w.buf.ptr, CUDA_R_32F, k),
+                (x.ptr(), CUDA_R_32F, k),
+                (out.ptr(), m),
+                self.f32_compute(),
+            );
+        } else if !self.inner.exact {
+            // Activations rounded to the weights' 16-bit type; f32 accumulation and output.
+            let xh = self.alloc(x.len() * 2, "16-bit activations");
+            let conv = if w.dtype == WeightType::BF16 {
+                "f32_to_bf16_kernel"
+            } else {
+                "f32_to_f16_kernel"
+            };
+            launch!(self, conv, grid_1d(x.len()), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
+            self.gemm(
+                true,
+                false,
+                m,
+                n,
+                k,
+                1.0,
+                (w.buf.ptr, wtype, k),
+                (xh.ptr, wtype, k),
+                (out.ptr(), m),
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            );
+        } else {
+            // Exact: widen a block of weight rows to f32, multiply in f32, write those output columns.
+            let block_rows = (SCRATCH_ELEMS / k.max(1)).clamp(1, m);
+            let scratch = self.alloc(block_rows * k * 4, "exact-math weight scratch");
+            for r0 in (0..m).step_by(block_rows) {
+                let rows = block_rows.min(m - r0);
+                let count = rows * k;
+                launch!(self, "weight_to_f32", grid_1d(count), (256, 1, 1), 0;
+                    w.buf.ptr, w.dtype as i32, (r0 * k) as u64, scratch.ptr, count as u64);
+                self.gemm(
+                    true,
+                    false,
+                    rows,
+                    n,
+                    k,
+                    1.0,
+                    (scratch.ptr, CUDA_R_32F, k),
+                    (x.ptr(), CUDA_R_32F, k),
+                    (out.ptr() + (r0 * 4) as u64, m),
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                );
+            }
+        }
+    }
+
+    fn attention_split_kv(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        past: usize,
+        s: AttentionShape,
+        out: &CudaTensor,
+    ) {
+        let n = q.rows;
+        let total = k.rows;
+        let split_len = 128usize;
+        let splits = ceil_div(total, split_len).max(1);
+        let part_o = self.alloc(
+            n * s.num_heads * splits * s.head_dim * 4,
+            "attention partials",
+        );
+        let part_ml = self.alloc(n * s.num_heads * splits * 2 * 4, "attention partials");
+        launch!(self, "attn_split", (s.num_heads as u32, splits as u32, n as u32), (128, 1, 1), 0;
+            q.ptr(), k.ptr(), v.ptr(), part_o.ptr, part_ml.ptr, past as i32, s.num_heads as i32,
+            s.num_kv_heads as i32, s.head_dim as i32, s.scale, split_len as i32);
+        launch!(self, "attn_combine", (s.num_heads as u32, n as u32, 1), (256, 1, 1), 0;
+            part_o.ptr, part_ml.ptr, out.ptr(), s.num_heads as i32, s.head_dim as i32, splits as i32);
+    }
+
+    fn attention_gemm(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        past: usize,
+        s: AttentionShape,
+        out: &CudaTensor,
+    ) {
+        use blas_sys::cudaDataType::CUDA_R_32F;
+        let (n, d) = (q.rows, s.head_dim);
+        let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
+        let group = s.num_heads / s.num_kv_heads;
+        let total = past + n;
+        // Query rows per block, so that one head's scores fit the scratch.
+        let block = (SCRATCH_ELEMS / total).clamp(1, n);
+        let scores = self.alloc(block * total * 4, "attention scores");
+        for q0 in (0..n).step_by(block) {
+            let rows = block.min(n - q0);
+            // Keys the last query of this block can see.
+            let keys = past + q0 + rows;
+            for h in 0..s.num_heads {
+                let kvh = h / group;
+                let q_ptr = q.ptr() + ((q0 * qd + h * d) * 4) as u64;
+                let k_ptr = k.ptr() + ((kvh * d) * 4) as u64;
+                let v_ptr = v.ptr() + ((kvh * d) * 4) as u64;
+                // scores[rows, keys] = scale · Q_h Kᵀ (column-major: Sᵀ = K · Q_hᵀ)
+                self.gemm(
+                    true,
+                    false,
+                    keys,
+                    rows,
+                    d,
+                    s.scale,
+                    (k_ptr, CUDA_R_32F, kvd),
+                    (q_ptr, CUDA_R_32F, qd),
+                    (scores.ptr, keys),
+                    self.f32_compute(),
+                );
+                launch!(self, "causal_softmax", (rows as u32, 1, 1), (256, 1, 1), 0;
+                    scores.ptr, keys as i32, (past + q0 + 1) as i32);
+                // out_h[rows, d] = P · V (column-major: Oᵀ = Vᵀ · Pᵀ)
+                let o_ptr = out.ptr() + ((q0 * qd + h * d) * 4) as u64;
+                self.gemm(
+                    false,
+                    false,
+                    d,
+                    rows,
+                    keys,
+                    1.0,
+                    (v_ptr, CUDA_R_32F, kvd),
+                    (scores.ptr, CUDA_R_32F, keys),
+                    (o_ptr, qd),
+                    self.f32_compute(),
+                );
+            }
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaTensor;
+    type Matrix = CudaMatrix;
+    type Vector = CudaVector;
+
+    fn name(&self) -> String {
+        let i = &self.inner.info;
+        format!(
+            "cuda ({}, sm_{}{}, driver CUDA {}.{}, NVRTC {}.{}{})",
+            i.name,
+            i.compute_capability.0,
+            i.compute_capability.1,
+            i.driver_version.0,
+            i.driver_version.1,
+            i.nvrtc_version.0,
+            i.nvrtc_version.1,
+            if self.inner.exact { ", exact math" } else { "" }
+        )
+    }
+
+    fn matrix(&self, t: &HostTensor) -> Result<CudaMatrix> {
+        if t.shape.len() != 2 {
+            bail!(
+                "tensor {} has shape {:?}; expected a 2-D matrix",
+                t.name,
+                t.shape
+            );
+        }
+        let dtype = match t.dtype {
+            DType::F32 => WeightType::F32,
+            DType::BF16 => WeightType::BF16,
+            DType::F16 => WeightType::F16,
+            other => bail!(
+                "tensor {} has dtype {other}; the CUDA backend takes F32, F16 or BF16 matrices",
+                t.name
+            ),
+        };
+        let bytes = t.data.as_slice();
+        let buf = self.try_alloc(bytes.len(), &format!("weight {}", t.name), true)?;
+        if !bytes.is_empty() {
+            // SAFETY: the buffer has exactly this many bytes.
+            unsafe { drv::memcpy_htod_async(buf.ptr, bytes, self.stream()) }
+                .map_err(|e| anyhow::anyhow!("uploading {} failed: {e}", t.name))?;
+        }
+        Ok(CudaMatrix {
+            rows: t.shape[0],
+            cols: t.shape[1],
+            dtype,
+            buf,
+        })
+    }
+
+    fn vector(&self, values: &[f32]) -> Result<CudaVector> {
+        let buf = self.try_alloc(values.len() * 4, "parameter vector", true)?;
+        if !values.is_empty() {
+            // SAFETY: the buffer has exactly this many bytes.
+            unsafe { drv::memcpy_htod_async(buf.ptr, values, self.stream()) }
+                .map_err(|e| anyhow::anyhow!("upload failed: {e}"))?;
+        }
+        Ok(CudaVector {
+            len: values.len(),
+            buf,
+        })
+    }
+
+    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
+        assert_eq!(rows * cols, data.len());
+        let t = self.alloc_act(rows, cols, rows);
+        if !data.is_empty() {
+            // SAFETY: the buffer holds rows·cols f32.
+            unsafe { drv::memcpy_htod_async(t.ptr(), data, self.stream()) }
+                .expect("host-to-device copy failed");
+        }
+        t
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> Vec<f32> {
+        let mut out = vec![0f32; x.len()];
+        self.bind();
+        if !out.is_empty() {
+            // SAFETY: the tensor holds this many f32; the stream is synchronised before reading.
+            unsafe { drv::memcpy_dtoh_async(&mut out, x.ptr(), self.stream()) }
+                .expect("device-to-host copy failed");
+        }
+        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        out
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CudaTensor {
+        let t = self.alloc_act(rows, cols, rows);
+        if t.buf.bytes > 0 {
+            // SAFETY: inside the allocation.
+            unsafe { drv::memset_d8_async(t.ptr(), 0, t.buf.bytes, self.stream()) }
+                .expect("memset failed");
+        }
+        t
+    }
+
+    fn shape(&self, x: &CudaTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn rows(&self, x: &CudaTensor, r: Range<usize>) -> CudaTensor {
+        assert!(
+            r.start <= r.end && r.end <= x.rows,
+            "rows {r:?} of a tensor with {} rows",
+            x.rows
+        );
+        let out = self.alloc_act(r.len(), x.cols, r.len());
+        self.copy_dtod(out.ptr(), x.row_ptr(r.start), r.len() * x.cols * 4);
+        out
+    }
+
+    fn cols(&self, x: &CudaTensor, c: Range<usize>) -> CudaTensor {
+        assert!(
+            c.start <= c.end && c.end <= x.cols,
+            "columns {c:?} of a tensor with {} columns",
+            x.cols
+        );
+        let out = self.alloc_act(x.rows, c.len(), x.rows);
+        let n = x.rows * c.len();
+        if n > 0 {
+            launch!(self, "copy_cols", grid_1d(n), (256, 1, 1), 0;
+                x.ptr(), out.ptr(), x.rows as u64, x.cols as i32, c.start as i32, c.len() as i32);
+        }
+        out
+    }
+
+    fn cat_rows(&self, parts: &[CudaTensor]) -> CudaTensor {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let out = self.alloc_act(rows, cols, rows);
+        let mut at = 0;
+        for p in parts {
+            assert_eq!(p.cols, cols, "cat_rows: column counts differ");
+            self.copy_dtod(out.row_ptr(at), p.ptr(), p.len() * 4);
+            at += p.rows;
+        }
+        out
+    }
+
+    fn append_rows(&self, dst: &mut CudaTensor, src: &CudaTensor) {
+        assert_eq!(dst.cols, src.cols, "append_rows: column counts differ");
+        let needed = dst.rows + src.rows;
+        if needed > dst.capacity {
+            // Grow by doubling so a cache filled token by token is copied O(log n) times.
+            let capacity = needed.max(dst.capacity * 2).max(16);
+            let grown = self.alloc_act(dst.rows, dst.cols, capacity);
+            self.copy_dtod(grown.ptr(), dst.ptr(), dst.len() * 4);
+            *dst = grown;
+        }
+        self.copy_dtod(dst.row_ptr(dst.rows), src.ptr(), src.len() * 4);
+        dst.rows = needed;
+    }
+
+    fn truncate_rows(&self, x: &mut CudaTensor, rows: usize) {
+        x.rows = x.rows.min(rows);
+    }
+
+    fn embedding(&self, table: &CudaMatrix, ids: &[u32]) -> CudaTensor {
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
+            panic!(
+                "embedding: id {bad} is outside the table's {} rows",
+                table.rows
+            );
+        }
+        let out = self.alloc_act(ids.len(), table.cols, ids.len());
+        if !ids.is_empty() {
+            let dev_ids = self.upload(ids, "token ids");
+            launch!(self, "embedding", (ids.len() as u32, 1, 1), (256, 1, 1), 0;
+                table.buf.ptr, table.dtype as i32, dev_ids.ptr, out.ptr(), table.cols as i32);
+        }
+        out
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaMatrix) -> CudaTensor {
+        assert_eq!(
+            x.cols, w.cols,
+            "linear: input has {} columns, weight expects {}",
+            x.cols, w.cols
+        );
+        let out = self.alloc_act(x.rows, w.rows, x.rows);
+        if x.rows == 0 || w.rows == 0 {
+            return out;
+        }
+        if x.cols == 0 {
+            let zeros = self.zeros(x.rows, w.rows);
+            return zeros;
+        }
+        if x.rows <= MATVEC_MAX_ROWS {
+            let name = format!("matvec_{}_{}", w.dtype.name(), x.rows);
+            let warps_per_block = 8;
+            launch!(self, &name, (ceil_div(w.rows, warps_per_block) as u32, 1, 1), (32 * warps_per_block as u32, 1, 1), 0;
+                w.buf.ptr, x.ptr(), out.ptr(), w.cols as i32, w.rows as i32);
+        } else {
+            self.linear_gemm(x, w, &out);
+        }
+        out
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        assert_eq!(
+            x.len(),
+            y.len(),
+            "add_assign: {} and {} values",
+            x.len(),
+            y.len()
+        );
+        let n = x.len();
+        if n > 0 {
+            launch!(self, "add_assign", grid_1d(n), (256, 1, 1), 0; x.ptr(), y.ptr(), n as u64);
+        }
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaVector,
+        eps: f32,
+        scale: NormScale,
+        group: usize,
+    ) -> CudaTensor {
+        assert_eq!(
+            w.len, group,
+            "rms_norm: weight has {} values for groups of {group}",
+            w.len
+        );
+        assert_eq!(
+            x.cols % group,
+            0,
+            "rms_norm: {} columns are not a multiple of {group}",
+            x.cols
+        );
+        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let groups = x.len() / group;
+        if groups > 0 {
+            let threads = ceil_div(group, 32).clamp(1, 8) * 32;
+            launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32);
+        }
+        out
+    }
+
+    fn rms_norm_gated(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaTensor,
+        w: &CudaVector,
+        eps: f32,
+        group: usize,
+    ) -> CudaTensor {
+        assert_eq!(
+            w.len, group,
+            "rms_norm_gated: weight has {} values for groups of {group}",
+            w.len
+        );
+        assert_eq!(
+            x.len(),
+            gate.len(),
+            "rms_norm_gated: gate has {} values, input {}",
+            gate.len(),
+            x.len()
+        );
+        assert_eq!(x.cols % group, 0);
+        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let groups = x.len() / group;
+        if groups > 0 {
+            let threads = ceil_div(group, 32).clamp(1, 8) * 32;
+            launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                x.ptr(), w.buf.ptr, gate.ptr(), out.ptr(), group as i32, eps, 0i32);
+        }
+        out
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        self.elementwise_out("silu_mul", gate, up)
+    }
+
+    fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> CudaTensor {
+        self.elementwise_out("sigmoid_gate", x, gate)
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        inv_freq: &[f32],
+    ) {
+        assert_eq!(
+            positions.len(),
+            x.rows,
+            "rope: {} positions for {} rows",
+            positions.len(),
+            x.rows
+        );
+        assert_eq!(x.cols % head_dim, 0);
+        assert!(inv_freq.len() >= rotary_dim / 2);
+        let n = x.rows * (x.cols / head_dim) * (rotary_dim / 2);
+        if n == 0 {
+            return;
+        }
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let dev_pos = self.upload(&pos, "positions");
+        let freq = self.inv_freq_device(inv_freq);
+        launch!(self, "rope", grid_1d(n), (256, 1, 1), 0;
+            x.ptr(), dev_pos.ptr, freq, x.rows as u64, x.cols as i32, head_dim as i32, rotary_dim as i32);
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        past: usize,
+        s: AttentionShape,
+    ) -> CudaTensor {
+        let n = q.rows;
+        assert_eq!(q.cols, s.num_heads * s.head_dim);
+        assert_eq!(k.cols, s.num_kv_heads * s.head_dim);
+        assert_eq!(
+            k.rows,
+            past + n,
+            "attention: cache has {} rows, expected {}",
+            k.rows,
+            past + n
+        );
+        assert_eq!(v.rows, k.rows);
+        assert!(
+            s.head_dim <= 256,
+            "attention: head_dim {} is above the kernel's 256",
+            s.head_dim
+        );
+        let out = self.alloc_act(n, q.cols, n);
+        if n == 0 {
+            return out;
+        }
+        if n < ATTENTION_GEMM_MIN_ROWS {
+            self.attention_split_kv(q, k, v, past, s, &out);
+        } else {
+            self.attention_gemm(q, k, v, past, s, &out);
+        }
+        out
+    }
+
+    fn causal_conv1d_silu(
+        &self,
+        x: &CudaTensor,
+        state: &mut CudaTensor,
+        weight: &CudaMatrix,
+    ) -> CudaTensor {
+        let (channels, taps) = (weight.rows, weight.cols);
+        assert_eq!(x.cols, channels);
+        assert!(
+            (1..=8).contains(&taps),
+            "causal conv: {taps} taps; the kernel takes 1 to 8"
+        );
+        assert_eq!(state.len(), (taps - 1) * channels);
+        let out = self.alloc_act(x.rows, channels, x.rows);
+        if x.rows > 0 && channels > 0 {
+            launch!(self, "causal_conv1d_silu", (ceil_div(channels, 128) as u32, 1, 1), (128, 1, 1), 0;
+                x.ptr(), state.ptr(), weight.buf.ptr, weight.dtype as i32, out.ptr(), x.rows as i32,
+                channels as i32, taps as i32);
+        }
+        out
+    }
+
+    fn delta_rule_gates(
+        &self,
+        a: &CudaTensor,
+        b: &CudaTensor,
+        a_log: &CudaVector,
+        dt_bias: &CudaVector,
+    ) -> (CudaTensor, CudaTensor) {
+        let h = a_log.len;
+        assert_eq!(a.cols, h);
+        assert_eq!(a.len(), b.len());
+        let g = self.alloc_act(a.rows, h, a.rows);
+        let beta = self.alloc_act(b.rows, h, b.rows);
+        let n = a.len();
+        if n > 0 {
+            launch!(self, "delta_rule_gates", grid_1d(n), (256, 1, 1), 0;
+                a.ptr(), b.ptr(), a_log.buf.ptr, dt_bias.buf.ptr, g.ptr(), beta.ptr(), n as u64, h as i32);
+        }
+        (g, beta)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaTensor,
+        shape: DeltaRuleShape,
+        _mode: DeltaRuleMode,
+    ) -> CudaTensor {
+        let s = shape;
+        let n = q.rows;
+        assert!(
+            s.k_head_dim <= 128,
+            "gated delta rule: key head dim {} is above the kernel's 128",
+            s.k_head_dim
+        );
+        assert_eq!(q.cols, s.num_k_heads * s.k_head_dim);
+        assert_eq!(k.cols, q.cols);
+        assert_eq!(v.cols, s.num_v_heads * s.v_head_dim);
+        assert_eq!(state.len(), s.num_v_heads * s.k_head_dim * s.v_head_dim);
+        let out = self.alloc_act(n, v.cols, n);
+        if n > 0 {
+            // Both modes run the recurrent kernel: it is parallel over heads × value columns and
+            // equals the chunked form (see the module docs of kernels/delta_rule.cu).
+            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;
+                q.ptr(), k.ptr(), v.ptr(), g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
+                s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32);
+        }
+        out
+    }
+}

@@ -1,0 +1,98 @@
+//! Every CUDA kernel compiles with NVRTC for sm_90 (H100/H200) and sm_120 (RTX 50), without a
+//! GPU. CI installs libnvrtc from the `nvidia-cuda-nvrtc` wheel and points `CAPY_NVRTC_LIB` at
+//! it; where no libnvrtc is found the test prints why and passes.
+#![cfg(feature = "cuda")]
+
+use capy_engine::backend::cuda::kernels;
+use std::path::PathBuf;
+
+/// `CAPY_NVRTC_LIB`, else a `libnvrtc.so*` in a folder of `LD_LIBRARY_PATH`.
+fn find_nvrtc() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("CAPY_NVRTC_LIB") {
+        return Some(PathBuf::from(p));
+    }
+    let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    for dir in dirs.split(':').filter(|d| !d.is_empty()) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("libnvrtc.so"))
+            })
+            .collect();
+        found.sort();
+        if let Some(p) = found.pop() {
+            return Some(p);
+        }
+    }
+    None
+}
+
+#[test]
+fn every_kernel_compiles_for_sm_90_and_sm_120() {
+    let Some(lib) = find_nvrtc() else {
+        println!(
+            "skipping: no libnvrtc found (set CAPY_NVRTC_LIB to libnvrtc.so.*, e.g. from `pip install nvidia-cuda-nvrtc`, \
+             or add its folder to LD_LIBRARY_PATH)"
+        );
+        return;
+    };
+    // The kernel module loads it from here before its own by-name search.
+    std::env::set_var("CAPY_NVRTC_LIB", &lib);
+    let (major, minor) = kernels::nvrtc_version().expect("libnvrtc loads and reports its version");
+    println!("NVRTC {major}.{minor} from {}", lib.display());
+    let sources = kernels::sources();
+    assert!(
+        sources.len() >= 5,
+        "expected every kernel file, found {}",
+        sources.len()
+    );
+    for arch in [90, 120] {
+        for src in &sources {
+            let cubin = kernels::compile_cubin(src, arch).unwrap_or_else(|e| panic!("{e:#}"));
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "kernels/{}.cu for sm_{arch}: NVRTC did not return a CUBIN",
+                src.name
+            );
+            // Every entry point the backend looks up is in the machine code's symbol table.
+            for f in &src.functions {
+                assert!(
+                    cubin
+                        .windows(f.len() + 1)
+                        .any(|w| &w[..f.len()] == f.as_bytes() && w[f.len()] == 0),
+                    "kernels/{}.cu for sm_{arch} lacks the entry point {f}",
+                    src.name
+                );
+            }
+            println!(
+                "kernels/{}.cu: sm_{arch} CUBIN of {} bytes, {} entry points",
+                src.name,
+                cubin.len(),
+                src.functions.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn unsupported_architecture_is_refused_with_the_supported_list() {
+    let Some(lib) = find_nvrtc() else {
+        println!("skipping: no libnvrtc found (see every_kernel_compiles_for_sm_90_and_sm_120)");
+        return;
+    };
+    std::env::set_var("CAPY_NVRTC_LIB", &lib);
+    let src = &kernels::sources()[0];
+    let err = kernels::compile_cubin(src, 11)
+        .expect_err("sm_11 does not exist")
+        .to_string();
+    assert!(
+        err.contains("sm_11") && err.contains("supports"),
+        "unhelpful error: {err}"
+    );
+}

@@ -1,0 +1,572 @@
+//! Every op of the CUDA backend against the CPU reference on random inputs, and the synthetic
+//! model end to end on both backends.
+//!
+//! Tolerance for the f32 paths (exact math): |gpu − cpu| ≤ 1e-4 · (1 + |cpu|), per element.
+//! The two backends sum in different orders (warp trees, cuBLAS blocking against the CPU's
+//! SIMD lanes), which moves results by a few ulp of the largest partial sums; 1e-4 leaves room
+//! for that over the longest reductions here (17,408 terms) and nothing more.
+//!
+//! Without a CUDA driver (CI, laptops) each test prints why it is skipped and passes.
+#![cfg(feature = "cuda")]
+
+use capy_engine::backend::cpu::{CpuBackend, CpuTensor};
+use capy_engine::backend::cuda::CudaBackend;
+use capy_engine::backend::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
+use capy_engine::tensor::{Bytes, DType, HostTensor};
+
+const ATOL: f32 = 1e-4;
+const RTOL: f32 = 1e-4;
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::with_exact_math(0, None, true) {
+        Ok(b) => {
+            println!("running on {}", b.name());
+            Some(b)
+        }
+        Err(e) => {
+            println!("skipping: no usable CUDA device: {e:#}");
+            None
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+fn host_matrix(name: &str, rows: usize, cols: usize, values: &[f32], dtype: DType) -> HostTensor {
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        other => panic!("no test matrices of {other}"),
+    };
+    HostTensor {
+        name: name.into(),
+        dtype,
+        shape: vec![rows, cols],
+        data: Bytes::from_vec(bytes),
+    }
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_close_tol(got, want, ATOL, RTOL, what)
+}
+
+fn assert_close_tol(got: &[f32], want: &[f32], atol: f32, rtol: f32, what: &str) {
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: {} values, expected {}",
+        got.len(),
+        want.len()
+    );
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        assert!(
+            err <= atol + rtol * w.abs(),
+            "{what}: element {i}: gpu {g} vs cpu {w} (|Δ| {err:e})"
+        );
+        worst = worst.max(err);
+    }
+    println!("{what}: {} values, max |Δ| {worst:.2e}", got.len());
+}
+
+/// The same activation on both backends.
+fn pair(
+    g: &CudaBackend,
+    rows: usize,
+    cols: usize,
+    data: &[f32],
+) -> (CpuTensor, <CudaBackend as Backend>::Act) {
+    (
+        CpuBackend::new().from_host(rows, cols, data),
+        g.from_host(rows, cols, data),
+    )
+}
+
+#[test]
+fn layout_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(1);
+    let data = r.vec(7 * 12, 1.0);
+    let (xc, xg) = pair(&g, 7, 12, &data);
+    assert_eq!(g.shape(&xg), (7, 12));
+    assert_eq!(g.to_host(&xg), data);
+    assert_eq!(g.to_host(&g.rows(&xg, 2..5)), c.rows(&xc, 2..5).data);
+    assert_eq!(g.to_host(&g.cols(&xg, 3..10)), c.cols(&xc, 3..10).data);
+    let parts_c = [c.rows(&xc, 0..2), c.rows(&xc, 4..7)];
+    let parts_g = [g.rows(&xg, 0..2), g.rows(&xg, 4..7)];
+    assert_eq!(g.to_host(&g.cat_rows(&parts_g)), c.cat_rows(&parts_c).data);
+    // A cache grown one row at a time, past several capacity doublings, then rolled back.
+    let mut cache_c = c.zeros(0, 12);
+    let mut cache_g = g.zeros(0, 12);
+    for i in 0..40 {
+        let row = r.vec(12, 1.0);
+        c.append_rows(&mut cache_c, &c.from_host(1, 12, &row));
+        g.append_rows(&mut cache_g, &g.from_host(1, 12, &row));
+        if i == 20 {
+            let block = r.vec(3 * 12, 1.0);
+            c.append_rows(&mut cache_c, &c.from_host(3, 12, &block));
+            g.append_rows(&mut cache_g, &g.from_host(3, 12, &block));
+        }
+    }
+    assert_eq!(g.to_host(&cache_g), cache_c.data);
+    let snapshot = cache_g.clone();
+    c.truncate_rows(&mut cache_c, 17);
+    g.truncate_rows(&mut cache_g, 17);
+    assert_eq!(g.shape(&cache_g), (17, 12));
+    assert_eq!(g.to_host(&cache_g), cache_c.data);
+    // The clone is independent of the truncated original.
+    assert_eq!(g.shape(&snapshot), (43, 12));
+    let row = r.vec(12, 1.0);
+    c.append_rows(&mut cache_c, &c.from_host(1, 12, &row));
+    g.append_rows(&mut cache_g, &g.from_host(1, 12, &row));
+    assert_eq!(g.to_host(&cache_g), cache_c.data);
+    assert_eq!(g.to_host(&g.zeros(3, 5)), vec![0.0; 15]);
+}
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(2);
+    let (n, m) = (9, 1000);
+    let a = r.vec(n * m, 4.0);
+    let b = r.vec(n * m, 4.0);
+    let (ac, ag) = pair(&g, n, m, &a);
+    let (bc, bg) = pair(&g, n, m, &b);
+    assert_close(
+        &g.to_host(&g.silu_mul(&ag, &bg)),
+        &c.silu_mul(&ac, &bc).data,
+        "silu_mul",
+    );
+    assert_close(
+        &g.to_host(&g.sigmoid_gate(&ag, &bg)),
+        &c.sigmoid_gate(&ac, &bc).data,
+        "sigmoid_gate",
+    );
+    let (mut xc, mut xg) = (ac.clone(), ag.clone());
+    c.add_assign(&mut xc, &bc);
+    g.add_assign(&mut xg, &bg);
+    assert_close(&g.to_host(&xg), &xc.data, "add_assign");
+    // GDN gates, including inputs past softplus's threshold of 20.
+    let heads = 48;
+    let mut av = r.vec(n * heads, 8.0);
+    av[0] = 25.0;
+    av[1] = -30.0;
+    let bv = r.vec(n * heads, 8.0);
+    let a_log = r.vec(heads, 1.0);
+    let dt_bias = r.vec(heads, 1.0);
+    let (gc, betac) = c.delta_rule_gates(
+        &c.from_host(n, heads, &av),
+        &c.from_host(n, heads, &bv),
+        &a_log,
+        &dt_bias,
+    );
+    let (gg, betag) = g.delta_rule_gates(
+        &g.from_host(n, heads, &av),
+        &g.from_host(n, heads, &bv),
+        &g.vector(&a_log).unwrap(),
+        &g.vector(&dt_bias).unwrap(),
+    );
+    assert_close(&g.to_host(&gg), &gc.data, "delta_rule_gates g");
+    assert_close(&g.to_host(&betag), &betac.data, "delta_rule_gates beta");
+}
+
+#[test]
+fn norms_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(3);
+    for (rows, cols, group) in [
+        (3, 5120, 5120),
+        (5, 24 * 256, 256),
+        (2, 48 * 128, 128),
+        (4, 48, 16),
+        (1, 40, 40),
+    ] {
+        let x = r.vec(rows * cols, 3.0);
+        let w = r.vec(group, 0.5);
+        let (xc, xg) = pair(&g, rows, cols, &x);
+        let wg = g.vector(&w).unwrap();
+        for scale in [NormScale::OnePlus, NormScale::Plain] {
+            assert_close(
+                &g.to_host(&g.rms_norm(&xg, &wg, 1e-6, scale, group)),
+                &c.rms_norm(&xc, &w, 1e-6, scale, group).data,
+                &format!("rms_norm {scale:?} {rows}x{cols}/{group}"),
+            );
+        }
+        let z = r.vec(rows * cols, 3.0);
+        let (zc, zg) = pair(&g, rows, cols, &z);
+        assert_close(
+            &g.to_host(&g.rms_norm_gated(&xg, &zg, &wg, 1e-6, group)),
+            &c.rms_norm_gated(&xc, &zc, &w, 1e-6, group).data,
+            &format!("rms_norm_gated {rows}x{cols}/{group}"),
+        );
+    }
+}
+
+#[test]
+fn embedding_and_rope_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(4);
+    let (vocab, h) = (300, 72);
+    let table = r.vec(vocab * h, 1.0);
+    let ids = [0u32, 299, 17, 17, 5];
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let t = host_matrix("embed", vocab, h, &table, dtype);
+        let (mc, mg) = (c.matrix(&t).unwrap(), g.matrix(&t).unwrap());
+        assert_eq!(
+            g.to_host(&g.embedding(&mg, &ids)),
+            c.embedding(&mc, &ids).data,
+            "embedding {dtype}"
+        );
+    }
+    // Qwen3.8-27B's attention: 24 heads of 256, rotary 64, theta 1e7, positions up to 8K.
+    let (heads, d, rot) = (24, 256, 64);
+    let inv_freq: Vec<f32> = (0..rot / 2)
+        .map(|i| (1.0 / 1e7f64.powf((2 * i) as f64 / rot as f64)) as f32)
+        .collect();
+    let positions = [0usize, 1, 7, 300, 8191, 8192];
+    let x = r.vec(positions.len() * heads * d, 2.0);
+    let (mut xc, mut xg) = pair(&g, positions.len(), heads * d, &x);
+    c.rope(&mut xc, &positions, d, rot, &inv_freq);
+    g.rope(&mut xg, &positions, d, rot, &inv_freq);
+    assert_close(&g.to_host(&xg), &xc.data, "rope");
+}
+
+#[test]
+fn linear_matches_cpu_on_every_path() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(5);
+    // matvec (≤ 8 rows) with vector and scalar loads; cuBLAS (exact) beyond.
+    for (out, inp) in [(200, 5120), (33, 100), (17408 / 16, 17408), (64, 8)] {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let w = r.vec(out * inp, 0.05);
+            let t = host_matrix("w", out, inp, &w, dtype);
+            let (mc, mg) = (c.matrix(&t).unwrap(), g.matrix(&t).unwrap());
+            for n in [1, 2, 5, 8, 9, 40] {
+                let x = r.vec(n * inp, 1.0);
+                let (xc, xg) = pair(&g, n, inp, &x);
+                assert_close(
+                    &g.to_host(&g.linear(&xg, &mg)),
+                    &c.linear(&xc, &mc).data,
+                    &format!("linear {dtype} {n}x{inp} → {out}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fast_linear_stays_near_exact() {
+    // The default (non-exact) path rounds activations to BF16 for cuBLAS; measure how far that moves.
+    let fast = match CudaBackend::with_exact_math(0, None, false) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipping: no usable CUDA device: {e:#}");
+            return;
+        }
+    };
+    let c = CpuBackend::new();
+    let mut r = Rng(6);
+    let (out, inp, n) = (256, 5120, 64);
+    let w = r.vec(out * inp, 0.02);
+    let t = host_matrix("w", out, inp, &w, DType::BF16);
+    let x = r.vec(n * inp, 1.0);
+    let got = fast.to_host(&fast.linear(&fast.from_host(n, inp, &x), &fast.matrix(&t).unwrap()));
+    let want = c
+        .linear(&c.from_host(n, inp, &x), &c.matrix(&t).unwrap())
+        .data;
+    // BF16 keeps 8 significant bits: each product is off by ≤ 2^-8 relative, and the errors of
+    // 5,120 random terms add like a random walk, so 1% of the output scale bounds it widely.
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f32::max);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    println!("fast BF16 linear {n}x{inp} → {out}: max |Δ| {worst:.2e} of output scale {scale:.2e}");
+    assert!(
+        worst <= 0.01 * scale,
+        "fast linear deviates by {worst} (output scale {scale})"
+    );
+}
+
+#[test]
+fn attention_matches_cpu_for_decode_and_prefill() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(7);
+    // (heads, kv_heads, d, past, n): split-KV kernel below 16 query rows, cuBLAS path above.
+    for (heads, kv, d, past, n) in [
+        (24, 4, 256, 0, 1),
+        (24, 4, 256, 1000, 1),
+        (6, 2, 64, 7, 5),
+        (4, 4, 16, 0, 3),
+        (24, 4, 256, 0, 40),
+        (6, 3, 64, 100, 33),
+        (4, 1, 16, 5, 16),
+    ] {
+        let s = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv,
+            head_dim: d,
+            scale: (d as f32).powf(-0.5),
+        };
+        let total = past + n;
+        let q = r.vec(n * heads * d, 1.0);
+        let k = r.vec(total * kv * d, 1.0);
+        let v = r.vec(total * kv * d, 1.0);
+        let (qc, qg) = pair(&g, n, heads * d, &q);
+        let (kc, kg) = pair(&g, total, kv * d, &k);
+        let (vc, vg) = pair(&g, total, kv * d, &v);
+        assert_close(
+            &g.to_host(&g.attention(&qg, &kg, &vg, past, s)),
+            &c.attention(&qc, &kc, &vc, past, s).data,
+            &format!("attention {heads}/{kv}x{d} past {past} n {n}"),
+        );
+    }
+}
+
+#[test]
+fn causal_conv_matches_cpu_and_carries_state() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(8);
+    for (channels, taps) in [(10240, 4), (40, 4), (33, 2)] {
+        let w = r.vec(channels * taps, 0.5);
+        let t = host_matrix("conv", channels, taps, &w, DType::BF16);
+        let (wc, wg) = (c.matrix(&t).unwrap(), g.matrix(&t).unwrap());
+        let init = r.vec((taps - 1) * channels, 1.0);
+        let (mut sc, mut sg) = pair(&g, taps - 1, channels, &init);
+        // A prefill chunk, then single decode steps: state must carry across calls.
+        for n in [10, 1, 1, 3] {
+            let x = r.vec(n * channels, 1.0);
+            let (xc, xg) = pair(&g, n, channels, &x);
+            let oc = c.causal_conv1d_silu(&xc, &mut sc, &wc);
+            let og = g.causal_conv1d_silu(&xg, &mut sg, &wg);
+            assert_close(
+                &g.to_host(&og),
+                &oc.data,
+                &format!("causal conv {channels}x{taps} n {n}"),
+            );
+            assert_close(
+                &g.to_host(&sg),
+                &sc.data,
+                &format!("causal conv state {channels}x{taps} n {n}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn gated_delta_rule_matches_cpu_in_both_modes() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(9);
+    for shape in [
+        DeltaRuleShape {
+            num_k_heads: 16,
+            num_v_heads: 48,
+            k_head_dim: 128,
+            v_head_dim: 128,
+        },
+        DeltaRuleShape {
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_head_dim: 8,
+            v_head_dim: 6,
+        },
+        DeltaRuleShape {
+            num_k_heads: 1,
+            num_v_heads: 3,
+            k_head_dim: 16,
+            v_head_dim: 40,
+        },
+    ] {
+        let (nk, nv, dk, dv) = (
+            shape.num_k_heads,
+            shape.num_v_heads,
+            shape.k_head_dim,
+            shape.v_head_dim,
+        );
+        let init = r.vec(nv * dk * dv, 0.5);
+        let (mut sc, mut sg) = pair(&g, nv * dk, dv, &init);
+        for (n, mode) in [
+            (70, DeltaRuleMode::Chunked),
+            (1, DeltaRuleMode::Recurrent),
+            (5, DeltaRuleMode::Chunked),
+            (1, DeltaRuleMode::Recurrent),
+        ] {
+            let q = r.vec(n * nk * dk, 1.0);
+            let k = r.vec(n * nk * dk, 1.0);
+            let v = r.vec(n * nv * dv, 1.0);
+            let gate: Vec<f32> = r
+                .vec(n * nv, 1.0)
+                .iter()
+                .map(|x| -(x.abs() * 0.5))
+                .collect();
+            let beta: Vec<f32> = r.vec(n * nv, 1.0).iter().map(|x| x.abs()).collect();
+            let cpu = |x: &[f32], cols| c.from_host(n, cols, x);
+            let gpu_t = |x: &[f32], cols| g.from_host(n, cols, x);
+            let oc = c.gated_delta_rule(
+                &cpu(&q, nk * dk),
+                &cpu(&k, nk * dk),
+                &cpu(&v, nv * dv),
+                &cpu(&gate, nv),
+                &cpu(&beta, nv),
+                &mut sc,
+                shape,
+                mode,
+            );
+            let og = g.gated_delta_rule(
+                &gpu_t(&q, nk * dk),
+                &gpu_t(&k, nk * dk),
+                &gpu_t(&v, nv * dv),
+                &gpu_t(&gate, nv),
+                &gpu_t(&beta, nv),
+                &mut sg,
+                shape,
+                mode,
+            );
+            assert_close(
+                &g.to_host(&og),
+                &oc.data,
+                &format!("gated delta rule {nv}x{dk}x{dv} n {n} {mode:?}"),
+            );
+            assert_close(
+                &g.to_host(&sg),
+                &sc.data,
+                &format!("gated delta rule state {nv}x{dk}x{dv} n {n} {mode:?}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn vram_budget_is_enforced_with_numbers() {
+    let b = match CudaBackend::with_exact_math(0, Some(1 << 20), true) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipping: no usable CUDA device: {e:#}");
+            return;
+        }
+    };
+    let small = host_matrix("small", 256, 256, &vec![0.5; 256 * 256], DType::BF16);
+    let kept = b.matrix(&small).expect("128 KiB fits a 1 MiB budget");
+    assert_eq!(b.ledger().weights, 256 * 256 * 2);
+    let big = host_matrix("big", 1024, 1024, &vec![0.5; 1024 * 1024], DType::BF16);
+    let err = b
+        .matrix(&big)
+        .err()
+        .expect("2 MiB must not fit a 1 MiB budget")
+        .to_string();
+    assert!(
+        err.contains("VRAM budget") && err.contains("1048576") && err.contains("2097152"),
+        "unhelpful error: {err}"
+    );
+    drop(kept);
+    assert_eq!(
+        b.ledger().used,
+        0,
+        "dropping the weights returns their bytes to the ledger"
+    );
+}
+
+#[test]
+fn synthetic_model_matches_cpu_end_to_end() {
+    use capy_engine::model::{qwen3_5_text::Qwen3_5Text, BatchItem, CausalLm, LogitsWanted};
+    let Some(g) = gpu() else { return };
+    // The 27B configuration scaled down: same head dims (256 / 128) and layer pattern.
+    let mut cfg = capy_engine::synthetic::config("qwen3.8-27b").unwrap();
+    for (k, v) in [
+        ("vocab_size", 1000),
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("num_hidden_layers", 8),
+    ] {
+        cfg[k] = serde_json::json!(v);
+    }
+    let ck = capy_engine::synthetic::checkpoint_from_config(&cfg, 11).unwrap();
+    let mut mc = Qwen3_5Text::load(CpuBackend::new(), &ck).unwrap();
+    let mut mg = Qwen3_5Text::load(g, &ck).unwrap();
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 97 + 5) % 1000).collect();
+    let (sc, sg) = (mc.new_sequence(), mg.new_sequence());
+    let lc = mc
+        .forward(&[BatchItem {
+            seq: sc,
+            tokens: &prompt,
+            logits: LogitsWanted::All,
+        }])
+        .unwrap()
+        .remove(0);
+    let lg = mg
+        .forward(&[BatchItem {
+            seq: sg,
+            tokens: &prompt,
+            logits: LogitsWanted::All,
+        }])
+        .unwrap()
+        .remove(0);
+    assert_close_tol(&lg, &lc, 1e-3, 0.0, "synthetic prefill logits");
+    let argmax = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32
+    };
+    let (mut tc, mut tg) = (
+        argmax(&lc[lc.len() - 1000..]),
+        argmax(&lg[lg.len() - 1000..]),
+    );
+    for step in 0..8 {
+        assert_eq!(tg, tc, "greedy token {step} differs");
+        let lc = mc
+            .forward(&[BatchItem {
+                seq: sc,
+                tokens: &[tc],
+                logits: LogitsWanted::Last,
+            }])
+            .unwrap()
+            .remove(0);
+        let lg = mg
+            .forward(&[BatchItem {
+                seq: sg,
+                tokens: &[tg],
+                logits: LogitsWanted::Last,
+            }])
+            .unwrap()
+            .remove(0);
+        assert_close_tol(
+            &lg,
+            &lc,
+            1e-3,
+            0.0,
+            &format!("synthetic decode step {step} logits"),
+        );
+        tc = argmax(&lc);
+        tg = argmax(&lg);
+    }
+}

@@ -1,0 +1,115 @@
+// Element-wise and layout kernels: embedding gather, add, SwiGLU, sigmoid gate, column
+// copies, GDN gates, dtype conversions, RoPE, the causal depthwise conv.
+
+extern "C" __global__ void embedding(const void* table, int dt, const u32* ids, float* out, int cols) {
+    int r = blockIdx.x;
+    u64 base = (u64)ids[r] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(u64)r * cols + c] = load_weight(table, dt, base + c);
+}
+
+extern "C" __global__ void add_assign(float* x, const float* y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += y[i];
+}
+
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = silu_f(gate[i]) * up[i];
+}
+
+extern "C" __global__ void sigmoid_gate(const float* x, const float* gate, float* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = x[i] * sigmoid_f(gate[i]);
+}
+
+// dst[r, c] = src[r, c0 + c] for c < ncols.
+extern "C" __global__ void copy_cols(const float* src, float* dst, u64 rows, int src_cols, int c0, int ncols) {
+    u64 n = rows * ncols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 r = i / ncols;
+        int c = (int)(i - r * ncols);
+        dst[i] = src[r * src_cols + c0 + c];
+    }
+}
+
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b, g, beta are [n, heads].
+extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log, const float* dt_bias,
+                                            float* g, float* beta, u64 n, int heads) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        int h = (int)(i % heads);
+        float x = a[i] + dt_bias[h];
+        float sp = x > 20.0f ? x : log1pf(expf(x));
+        g[i] = -expf(a_log[h]) * sp;
+        beta[i] = sigmoid_f(b[i]);
+    }
+}
+
+extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = f32_to_bf16(x[i]);
+}
+
+extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = f32_to_f16(x[i]);
+}
+
+// out[i] = w[offset + i] as f32 (dequantizes a block of weight rows for the exact GEMM path).
+extern "C" __global__ void weight_to_f32(const void* w, int dt, u64 offset, float* out, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = load_weight(w, dt, offset + i);
+}
+
+// Rotate-half RoPE on the first `rotary_dim` dims of every head; one thread per (row, head, i).
+extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, u64 rows, int cols, int head_dim,
+                                int rotary_dim) {
+    int half = rotary_dim / 2;
+    int heads = cols / head_dim;
+    u64 n = rows * heads * half;
+    for (u64 idx = blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < n; idx += (u64)gridDim.x * blockDim.x) {
+        int i = (int)(idx % half);
+        u64 rh = idx / half;
+        int h = (int)(rh % heads);
+        u64 r = rh / heads;
+        float a = inv_freq[i] * (float)positions[r];
+        float c = cosf(a), s = sinf(a);
+        float* head = x + r * cols + (u64)h * head_dim;
+        float x1 = head[i], x2 = head[i + half];
+        head[i] = x1 * c - x2 * s;
+        head[i + half] = x2 * c + x1 * s;
+    }
+}
+
+#define CONV_MAX_TAPS 8
+
+// Depthwise causal conv + SiLU over one sequence: x [n, C], state [K-1, C] (previous inputs,
+// oldest first, updated), weight [C, K] (tap K-1 on the current input). One thread per channel.
+extern "C" __global__ void causal_conv1d_silu(const float* x, float* state, const void* w, int dt, float* out, int n, int channels,
+                                              int taps) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float wt[CONV_MAX_TAPS];
+    float hist[CONV_MAX_TAPS];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_TAPS; j++) {
+        wt[j] = j < taps ? load_weight(w, dt, (u64)c * taps + j) : 0.0f;
+        hist[j] = j < taps - 1 ? state[(u64)j * channels + c] : 0.0f;
+    }
+    for (int t = 0; t < n; t++) {
+        float xv = x[(u64)t * channels + c];
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_TAPS - 1; j++)
+            if (j < taps - 1) acc += wt[j] * hist[j];
+        float last = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_TAPS; j++)
+            if (j == taps - 1) last = wt[j];
+        acc += last * xv;
+        out[(u64)t * channels + c] = silu_f(acc);
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_TAPS - 1; j++) {
+            if (j < taps - 2) hist[j] = hist[j + 1];
+            else if (j == taps - 2) hist[j] = xv;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_TAPS - 1; j++)
+        if (j < taps - 1) state[(u64)j * channels + c] = hist[j];
+}

@@ -1,0 +1,103 @@
+// y[n, out] = x[n, in] · W[out, in]ᵀ for a few rows (decode): one warp per output row reads the
+// weight row once with 16-byte loads and accumulates all n input rows in f32.
+
+template <int DT>
+struct Vec16;  // 16 bytes of weights, unpacked to f32
+
+template <>
+struct Vec16<DT_BF16> {
+    static const int N = 8;
+    static __device__ __forceinline__ void unpack(uint4 v, float* f) {
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+};
+
+template <>
+struct Vec16<DT_F16> {
+    static const int N = 8;
+    static __device__ __forceinline__ void unpack(uint4 v, float* f) {
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
+            f[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+        }
+    }
+};
+
+template <>
+struct Vec16<DT_F32> {
+    static const int N = 4;
+    static __device__ __forceinline__ void unpack(uint4 v, float* f) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+};
+
+template <int DT, int ROWS>
+__device__ __forceinline__ void matvec_impl(const void* w, const float* x, float* y, int in, int out) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= out) return;
+    const int EPV = Vec16<DT>::N;
+    const int esize = DT == DT_F32 ? 4 : 2;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+    const char* wrow = (const char*)w + (u64)row * in * esize;
+    if (in % EPV == 0) {
+        const uint4* wv = (const uint4*)wrow;
+        const int nv = in / EPV;
+#pragma unroll 4
+        for (int v = lane; v < nv; v += 32) {
+            float wf[EPV];
+            Vec16<DT>::unpack(__ldg(wv + v), wf);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const float4* xv = (const float4*)(x + (u64)r * in + (u64)v * EPV);
+#pragma unroll
+                for (int q = 0; q < EPV / 4; q++) {
+                    float4 xx = xv[q];
+                    acc[r] += wf[4 * q] * xx.x + wf[4 * q + 1] * xx.y + wf[4 * q + 2] * xx.z + wf[4 * q + 3] * xx.w;
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < in; i += 32) {
+            float wf = load_weight(wrow, DT, i);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) acc[r] += wf * x[(u64)r * in + i];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0) y[(u64)r * out + row] = s;
+    }
+}
+
+#define MATVEC(NAME, DT, ROWS)                                                                 \
+    extern "C" __global__ void NAME(const void* w, const float* x, float* y, int in, int out) { \
+        matvec_impl<DT, ROWS>(w, x, y, in, out);                                               \
+    }
+
+#define MATVEC_ALL_ROWS(PREFIX, DT) \
+    MATVEC(PREFIX##_1, DT, 1)       \
+    MATVEC(PREFIX##_2, DT, 2)       \
+    MATVEC(PREFIX##_3, DT, 3)       \
+    MATVEC(PREFIX##_4, DT, 4)       \
+    MATVEC(PREFIX##_5, DT, 5)       \
+    MATVEC(PREFIX##_6, DT, 6)       \
+    MATVEC(PREFIX##_7, DT, 7)       \
+    MATVEC(PREFIX##_8, DT, 8)
+
+MATVEC_ALL_ROWS(matvec_bf16, DT_BF16)
+MATVEC_ALL_ROWS(matvec_f16, DT_F16)
+MATVEC_ALL_ROWS(matvec_f32, DT_F32)

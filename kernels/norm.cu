@@ -1,0 +1,21 @@
+// RMSNorm over consecutive groups of `group` values (one block per group), optionally scaled by
+// (1 + w) and gated by silu(gate) (the GDN output norm).
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* gate, float* out, int group, float eps,
+                                    int one_plus) {
+    __shared__ float scratch[32];
+    u64 base = (u64)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = x[base + i];
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float scale = one_plus ? 1.0f + w[i] : w[i];
+        float o = x[base + i] * inv * scale;
+        if (gate) o *= silu_f(gate[base + i]);
+        out[base + i] = o;
+    }
+}
