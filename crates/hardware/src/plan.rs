@@ -204,8 +204,10 @@ pub fn verdict(machine: &Machine, config: &'static Configuration) -> Verdict {
         _ => {}
     }
 
-    if config.page_locked_bytes > machine.page_locked.cap_bytes {
-        let cap = machine.page_locked.cap_bytes;
+    // Only a cap below RAM itself (WSL2, Windows) is news: a machine short of RAM is already
+    // told so by the RAM checks.
+    let cap = machine.page_locked.cap_bytes;
+    if config.page_locked_bytes > cap && cap < machine.memory.total_bytes {
         let what = if config.host_experts {
             "experts"
         } else {
