@@ -26,6 +26,12 @@ pub const GB: u64 = 1_000_000_000;
 /// Driver-reported total VRAM that counts as a "16 GB card".
 pub const VRAM_16GB_CARD: u64 = 15 * GIB;
 
+// The threshold accepts every 16 GB card (an RTX 5060 Ti 16 GB reports 16,311 MiB), refuses
+// 12 GB ones, and lets an RTX 5090 (32,607 MiB) stand in for two 16 GB cards.
+const _: () = assert!(16_311 * (1 << 20) >= VRAM_16GB_CARD);
+const _: () = assert!(12 * GB < VRAM_16GB_CARD);
+const _: () = assert!(32_607 * (1 << 20) >= 2 * VRAM_16GB_CARD);
+
 /// Which model a configuration runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -210,14 +216,5 @@ mod tests {
         ids.sort();
         ids.dedup();
         assert_eq!(ids.len(), CONFIGURATIONS.len());
-    }
-
-    #[test]
-    fn a_16gb_card_reports_under_16_gib_and_still_counts() {
-        // RTX 5060 Ti 16 GB reports 16,311 MiB; a 12 GB card reports about 11.6 GiB.
-        assert!(16_311 * (1 << 20) >= VRAM_16GB_CARD);
-        assert!(12 * GB < VRAM_16GB_CARD);
-        // An RTX 5090 (32,607 MiB) stands in for two 16 GB cards.
-        assert!(32_607 * (1 << 20) >= 2 * VRAM_16GB_CARD);
     }
 }

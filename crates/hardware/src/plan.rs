@@ -16,7 +16,7 @@
 //! - Disk is checked for downloading only (a checkpoint already on disk needs no space), so it
 //!   does not decide `fits` nor the recommendation.
 
-use crate::configurations::{Configuration, GpuNeed, CONFIGURATIONS, GIB};
+use crate::configurations::{Configuration, GpuNeed, CONFIGURATIONS, GB, GIB};
 use crate::machine::{ComputeCapability, CpuKernelPath, Disk, Gpu, Machine};
 use serde::Serialize;
 
@@ -428,7 +428,7 @@ pub fn gib(bytes: u64) -> String {
 
 /// A requirement in whole GiB where it is whole, e.g. "75 GiB".
 pub fn gib_approx(bytes: u64) -> String {
-    if bytes % GIB == 0 {
+    if bytes.is_multiple_of(GIB) {
         format!("{} GiB", bytes / GIB)
     } else {
         gib(bytes)
@@ -438,7 +438,7 @@ pub fn gib_approx(bytes: u64) -> String {
 /// Decimal gigabytes, as download sizes are quoted, e.g. "135 GB", "40.2 GB".
 pub fn gb(bytes: u64) -> String {
     let v = bytes as f64 / 1e9;
-    if bytes % 1_000_000_000 == 0 {
+    if bytes.is_multiple_of(GB) {
         format!("{v:.0} GB")
     } else {
         format!("{v:.1} GB")

@@ -173,6 +173,8 @@ fn memlock_limit() -> MemlockLimit {
         // A failing getrlimit cannot happen for a valid resource; treat it as no limit known.
         MemlockLimit::Unlimited
     } else {
+        // rlim_t is u64 on Linux but not on every Unix.
+        #[allow(clippy::unnecessary_cast)]
         MemlockLimit::Bytes(limit.rlim_cur as u64)
     }
 }
