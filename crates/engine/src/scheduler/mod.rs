@@ -15,7 +15,6 @@ use crate::tokenizer::{StreamDecoder, Tokenizer};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
 use tokio::sync::mpsc as tokio_mpsc;
 
 /// Limits of the scheduler.

@@ -2,7 +2,7 @@ use super::scripted::ScriptedLm;
 use super::*;
 use crate::tokenizer::{demo_tokenizer_json, DEMO_IM_END_ID};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn tokenizer() -> Arc<Tokenizer> {
     static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
