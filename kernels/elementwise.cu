@@ -80,7 +80,8 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
 
 // Depthwise causal conv + SiLU over one sequence: x [n, C], state [K-1, C] (previous inputs,
 // oldest first, updated), weight [C, K] (tap K-1 on the current input). One thread per channel.
-extern "C" __global__ void causal_conv1d_silu(const float* x, float* state, const void* w, int dt, float* out, int n, int channels,
+extern "C" __global__ void causal_conv1d_silu(const float* __restrict__ x, float* __restrict__ state, const void* __restrict__ w, int dt,
+                                              float* __restrict__ out, int n, int channels,
                                               int taps) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;

@@ -98,6 +98,81 @@ impl CudaBackend {
     }
 }
 
+/// GPU time of the ops that dominate a long prefill and a decode step, each alone at the real
+/// shapes, so a report says where the time goes.
+fn op_timings(b: &CudaBackend, c: &crate::config::TextConfig, n: usize) -> Result<Value> {
+    use crate::backend::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape};
+    use crate::tensor::{Bytes, DType, HostTensor};
+    let h = c.hidden_size;
+    let gate_up = 2 * c.intermediate_size;
+    let w = HostTensor {
+        name: "gate_up".into(),
+        dtype: DType::BF16,
+        shape: vec![gate_up, h],
+        data: Bytes::from_vec(vec![0x3c; gate_up * h * 2]),
+    };
+    let w = b.matrix(&w)?;
+    let x = b.zeros(n, h);
+    let x1 = b.zeros(1, h);
+    let _ = b.linear(&x, &w);
+    let _ = b.linear(&x1, &w);
+    let gemm_ms = b.time_ms(|| drop(b.linear(&x, &w)))?;
+    let matvec_ms = b.time_ms(|| {
+        for _ in 0..10 {
+            drop(b.linear(&x1, &w));
+        }
+    })? / 10.0;
+    let s = DeltaRuleShape {
+        num_k_heads: c.linear_num_key_heads,
+        num_v_heads: c.linear_num_value_heads,
+        k_head_dim: c.linear_key_head_dim,
+        v_head_dim: c.linear_value_head_dim,
+    };
+    let kd = s.num_k_heads * s.k_head_dim;
+    let vd = s.num_v_heads * s.v_head_dim;
+    let (q, k, v) = (b.zeros(n, kd), b.zeros(n, kd), b.zeros(n, vd));
+    let (g, beta) = (b.zeros(n, s.num_v_heads), b.zeros(n, s.num_v_heads));
+    let mut state = b.zeros(s.num_v_heads * s.k_head_dim, s.v_head_dim);
+    let gdn_ms = b.time_ms(|| {
+        drop(b.gated_delta_rule(&q, &k, &v, &g, &beta, &mut state, s, DeltaRuleMode::Chunked))
+    })?;
+    let conv_dim = c.linear_conv_dim();
+    let conv_w = HostTensor {
+        name: "conv".into(),
+        dtype: DType::BF16,
+        shape: vec![conv_dim, c.linear_conv_kernel_dim],
+        data: Bytes::from_vec(vec![0; conv_dim * c.linear_conv_kernel_dim * 2]),
+    };
+    let conv_w = b.matrix(&conv_w)?;
+    let xc = b.zeros(n, conv_dim);
+    let mut conv_state = b.zeros(c.linear_conv_kernel_dim - 1, conv_dim);
+    let conv_ms = b.time_ms(|| drop(b.causal_conv1d_silu(&xc, &mut conv_state, &conv_w)))?;
+    let a = AttentionShape {
+        num_heads: c.num_attention_heads,
+        num_kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        scale: (c.head_dim as f32).powf(-0.5),
+    };
+    let qa = b.zeros(n, a.num_heads * a.head_dim);
+    let kv = b.zeros(n, a.num_kv_heads * a.head_dim);
+    let attn_ms = b.time_ms(|| drop(b.attention(&qa, &kv, &kv, 0, a)))?;
+    let q1 = b.zeros(1, a.num_heads * a.head_dim);
+    let kv1 = b.zeros(n + 1, a.num_kv_heads * a.head_dim);
+    let attn_decode_ms = b.time_ms(|| drop(b.attention(&q1, &kv1, &kv1, n, a)))?;
+    let gflop = 2.0 * (n * h * gate_up) as f64 / 1e9;
+    Ok(json!({
+        "tokens": n,
+        "gate_up_gemm_ms": gemm_ms,
+        "gate_up_gemm_tflop_per_s": gflop / gemm_ms as f64,
+        "gate_up_matvec_ms": matvec_ms,
+        "gate_up_matvec_bytes_per_s": (gate_up * h * 2) as f64 / (matvec_ms as f64 / 1e3),
+        "gated_delta_rule_prefill_ms": gdn_ms,
+        "causal_conv_prefill_ms": conv_ms,
+        "attention_prefill_ms": attn_ms,
+        "attention_decode_ms": attn_decode_ms,
+    }))
+}
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct SyntheticBenchOptions {
@@ -237,6 +312,9 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let roof_tok_s = copy_bw / weight_bytes_per_token as f64;
     let roof_with_state = copy_bw / (weight_bytes_per_token + kv_bytes + state_bytes) as f64;
 
+    drop(model);
+    let ops = op_timings(&backend, &c, opts.context)?;
+
     Ok(json!({
         "benchmark": "synthetic",
         "shape": opts.shape,
@@ -271,6 +349,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "flop_per_s": prefill_flops / prefill_s,
             "matmul_roofline_ratio": prefill_flops / prefill_s / gemm_rate,
         },
+        "op_timings": ops,
         "decode": {
             "batch": 1,
             "context_start": opts.context,

@@ -60,6 +60,13 @@ pub struct LedgerReport {
     pub weights: u64,
 }
 
+impl CudaBackend {
+    /// Bytes of freed activation buffers kept for reuse (device memory held beyond `used`).
+    pub fn pooled_bytes(&self) -> u64 {
+        self.inner.pooled.load(Ordering::Relaxed)
+    }
+}
+
 impl Ledger {
     fn reserve(&self, bytes: u64, what: &str) -> Result<()> {
         let before = self.used.fetch_add(bytes, Ordering::Relaxed);
@@ -113,6 +120,12 @@ struct Inner {
     info: DeviceInfo,
     /// Device copy of the last RoPE frequency table, reused while it is unchanged.
     inv_freq: Mutex<Option<(Vec<f32>, DevBuf)>>,
+    /// Freed activation buffers by exact size, reused before asking the driver: a decode step
+    /// allocates the same shapes every time, and a driver call per op would cost more than
+    /// most of the kernels. Reuse is safe because all work is on one stream.
+    pool: Mutex<HashMap<usize, Vec<drv_sys::CUdeviceptr>>>,
+    /// Bytes held in `pool` (device memory we own but no tensor uses).
+    pooled: AtomicU64,
 }
 
 struct BlasHandle(blas_sys::cublasHandle_t);
@@ -125,9 +138,24 @@ struct Function(drv_sys::CUfunction);
 unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
+impl Inner {
+    /// Returns every pooled buffer to the driver.
+    fn trim_pool(&self) {
+        let mut pool = self.pool.lock().expect("buffer pool poisoned");
+        for (bytes, ptrs) in pool.drain() {
+            for ptr in ptrs {
+                // SAFETY: pooled buffers are owned by no tensor; freed once, in stream order.
+                let _ = unsafe { drv::free_async(ptr, self.stream.cu_stream()) };
+                self.pooled.fetch_sub(bytes as u64, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        self.trim_pool();
         let _ = self.stream.synchronize();
         if let Ok(h) = self.blas.lock() {
             // SAFETY: the handle was created by us and is destroyed once.
@@ -148,8 +176,15 @@ impl Drop for DevBuf {
     fn drop(&mut self) {
         if self.bytes > 0 {
             let _ = self.dev.ctx.bind_to_thread();
-            // SAFETY: allocated on this stream, freed once; later work on the stream is ordered after.
-            let _ = unsafe { drv::free_async(self.ptr, self.dev.stream.cu_stream()) };
+            if self.weight {
+                // SAFETY: allocated on this stream, freed once; later work on the stream is ordered after.
+                let _ = unsafe { drv::free_async(self.ptr, self.dev.stream.cu_stream()) };
+            } else if let Ok(mut pool) = self.dev.pool.lock() {
+                pool.entry(self.bytes).or_default().push(self.ptr);
+                self.dev
+                    .pooled
+                    .fetch_add(self.bytes as u64, Ordering::Relaxed);
+            }
             self.dev.ledger.release(self.bytes as u64);
             if self.weight {
                 self.dev
@@ -408,6 +443,8 @@ impl CudaBackend {
                 exact,
                 info,
                 inv_freq: Mutex::new(None),
+                pool: Mutex::new(HashMap::new()),
+                pooled: AtomicU64::new(0),
             }),
         })
     }
@@ -451,9 +488,46 @@ impl CudaBackend {
                 dev: self.inner.clone(),
             });
         }
+        if !weight {
+            let reused = self
+                .inner
+                .pool
+                .lock()
+                .expect("buffer pool poisoned")
+                .get_mut(&bytes)
+                .and_then(Vec::pop);
+            if let Some(ptr) = reused {
+                self.inner.pooled.fetch_sub(bytes as u64, Ordering::Relaxed);
+                self.inner.ledger.reserve(bytes as u64, what)?;
+                return Ok(DevBuf {
+                    ptr,
+                    bytes,
+                    weight,
+                    dev: self.inner.clone(),
+                });
+            }
+        }
+        // Pooled memory counts against the budget too: give it back before exceeding it.
+        let held = self.inner.ledger.used.load(Ordering::Relaxed)
+            + self.inner.pooled.load(Ordering::Relaxed);
+        if self
+            .inner
+            .ledger
+            .budget
+            .is_some_and(|b| held + bytes as u64 > b)
+        {
+            self.inner.trim_pool();
+        }
         self.inner.ledger.reserve(bytes as u64, what)?;
         // SAFETY: stream-ordered allocation on our stream.
-        match unsafe { drv::malloc_async(self.stream(), bytes) } {
+        let mut allocated = unsafe { drv::malloc_async(self.stream(), bytes) };
+        if allocated.is_err() && self.inner.pooled.load(Ordering::Relaxed) > 0 {
+            self.inner.trim_pool();
+            let _ = self.inner.stream.synchronize();
+            // SAFETY: as above.
+            allocated = unsafe { drv::malloc_async(self.stream(), bytes) };
+        }
+        match allocated {
             Ok(ptr) => {
                 if weight {
                     self.inner
