@@ -314,3 +314,14 @@ pub fn load_state(
         scheduler, tokenizer, template, model_id, config,
     )))
 }
+
+/// Serves the router on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
