@@ -15,6 +15,8 @@ struct Cli {
 enum Command {
     /// Score token ids or text: per-position log-probabilities as JSON.
     Score(commands::score::Args),
+    /// Hardware check: the machine, which configurations fit, and the one to run.
+    Doctor(commands::doctor::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -25,6 +27,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Score(a) => commands::score::run(a),
+        Command::Doctor(a) => commands::doctor::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
