@@ -330,3 +330,32 @@ fn bad_calls_are_refused() {
         .to_string()
         .contains("nvfp4"));
 }
+
+/// The `bench cpu-experts` core as an ignored test, so the bench runs from the test binary
+/// too (no CLI needed): `CAPY_BENCH_FORMAT=nvfp4 CAPY_BENCH_THREADS=16 CAPY_BENCH_BATCH=1
+/// <test-binary> --ignored --nocapture bench_cpu_experts`. Prints the JSON report.
+#[test]
+#[ignore = "a benchmark: run explicitly"]
+fn bench_cpu_experts() {
+    use capy_engine::backend::cpu::experts::bench::{run, BenchParams};
+    let var = |k: &str, d: usize| std::env::var(k).ok().map_or(d, |v| v.parse().expect(k));
+    let format = std::env::var("CAPY_BENCH_FORMAT").unwrap_or_else(|_| "nvfp4".into());
+    let params = BenchParams {
+        format: RowFormat::parse(&format).unwrap(),
+        down_format: std::env::var("CAPY_BENCH_DOWN_FORMAT")
+            .ok()
+            .map(|f| RowFormat::parse(&f).unwrap()),
+        threads: var("CAPY_BENCH_THREADS", 0),
+        batch: var("CAPY_BENCH_BATCH", 1),
+        experts: var("CAPY_BENCH_EXPERTS", 512),
+        top_k: var("CAPY_BENCH_TOP_K", 10),
+        hidden: var("CAPY_BENCH_HIDDEN", 2560),
+        intermediate: var("CAPY_BENCH_INTERMEDIATE", 640),
+        iters: var("CAPY_BENCH_ITERS", 50),
+        isa: Isa::detect(),
+        bandwidth_mib: var("CAPY_BENCH_BANDWIDTH_MIB", 2048),
+        seed: 1,
+    };
+    let report = run(&params).unwrap();
+    println!("{}", serde_json::to_string_pretty(&report).unwrap());
+}

@@ -15,9 +15,6 @@ pub struct BenchCpuExpertsArgs {
     /// Format of the down rows (default: --format when its block divides --intermediate, else q2_0).
     #[arg(long)]
     pub down_format: Option<String>,
-    /// Format of the down rows (default: --format when its block divides --intermediate, else q2_0).
-    #[arg(long)]
-    pub down_format: Option<String>,
     /// Worker threads, pinned to physical cores (0: one per physical core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -47,11 +44,6 @@ pub struct BenchCpuExpertsArgs {
 pub fn run(args: BenchCpuExpertsArgs) -> Result<serde_json::Value> {
     let params = BenchParams {
         format: RowFormat::parse(&args.format)?,
-        down_format: args
-            .down_format
-            .as_deref()
-            .map(RowFormat::parse)
-            .transpose()?,
         down_format: args
             .down_format
             .as_deref()

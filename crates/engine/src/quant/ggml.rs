@@ -259,9 +259,8 @@ pub fn iq2_xs_block(b: &[u8], out: &mut [f32]) {
         let db = d * (0.5 + s as f32) * 0.25;
         let grid = IQ2XS_GRID[(q & 511) as usize].to_le_bytes();
         let signs = KSIGNS_IQ2XS[(q >> 9) as usize];
-        for j in 0..8 {
-            let v = db * grid[j] as f32;
-            out_set(o, j, v, signs >> j & 1 != 0);
+        for (j, &m) in grid.iter().enumerate() {
+            out_set(o, j, db * m as f32, signs >> j & 1 != 0);
         }
     }
 }
@@ -281,12 +280,12 @@ pub fn iq3_xxs_block(b: &[u8], out: &mut [f32]) {
             let signs = KSIGNS_IQ2XS[((aux >> (7 * l)) & 127) as usize];
             for half in 0..2 {
                 let grid = IQ3XXS_GRID[qs[8 * sub + 2 * l + half] as usize].to_le_bytes();
-                for j in 0..4 {
+                for (j, &m) in grid.iter().enumerate() {
                     let k = 4 * half + j;
                     out_set(
                         &mut out[32 * sub + 8 * l..],
                         k,
-                        db * grid[j] as f32,
+                        db * m as f32,
                         signs >> k & 1 != 0,
                     );
                 }
@@ -298,20 +297,15 @@ pub fn iq3_xxs_block(b: &[u8], out: &mut [f32]) {
 pub fn iq3_s_block(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     let (qs, qh, signs, scales) = (&b[2..66], &b[66..74], &b[74..106], &b[106..110]);
-    for i in 0..64 {
-        let index = qs[i] as usize | (((qh[i / 8] >> (i % 8)) & 1) as usize) << 8;
+    for (i, &q) in qs.iter().enumerate() {
+        let index = q as usize | (((qh[i / 8] >> (i % 8)) & 1) as usize) << 8;
         let sub = i / 8; // 32 weights = 8 grid entries per scale
         let s = (scales[sub / 2] >> (4 * (sub % 2))) & 0x0f;
         let db = d * (1 + 2 * s as u32) as f32;
         let grid = IQ3S_GRID[index].to_le_bytes();
-        for j in 0..4 {
+        for (j, &m) in grid.iter().enumerate() {
             let w = 4 * i + j;
-            out_set(
-                out,
-                w,
-                db * grid[j] as f32,
-                (signs[w / 8] >> (w % 8)) & 1 != 0,
-            );
+            out_set(out, w, db * m as f32, (signs[w / 8] >> (w % 8)) & 1 != 0);
         }
     }
 }

@@ -94,8 +94,8 @@ pub fn read_bandwidth(pool: &ExpertPool, bytes: usize, passes: usize) -> f64 {
             // Integer sums vectorise (reassociation is exact for wrapping adds).
             let mut acc = [0u64; 8];
             for c in chunk.chunks_exact(8) {
-                for l in 0..8 {
-                    acc[l] = acc[l].wrapping_add(c[l]);
+                for (a, v) in acc.iter_mut().zip(c) {
+                    *a = a.wrapping_add(*v);
                 }
             }
             sink.fetch_add(

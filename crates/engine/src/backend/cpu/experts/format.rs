@@ -141,8 +141,8 @@ pub fn dequantize_row_scalar(fmt: RowFormat, src: &[u8], out: &mut [f32]) {
 }
 
 fn nvfp4_block_scalar(b: &[u8], o: &mut [f32]) {
-    for g in 0..4 {
-        let s = E4M3_TO_F32[b[g] as usize];
+    for (g, &scale) in b[..4].iter().enumerate() {
+        let s = E4M3_TO_F32[scale as usize];
         for i in 0..8 {
             let byte = b[4 + 8 * g + i];
             o[16 * g + 2 * i] = E2M1_TO_F32[(byte & 15) as usize] * s;

@@ -475,11 +475,11 @@ pub fn moe_experts(
                         let tok = pairs[p0 + done + c].0 as usize;
                         *uv = dot::dot(isa, row, &x[tok * h_dim..(tok + 1) * h_dim]) * mu;
                     }
-                    for c in 0..chunk {
+                    for (c, (gv, uv)) in g[..chunk].iter().zip(&u[..chunk]).enumerate() {
                         let p = p0 + done + c;
                         // SAFETY: element (p, i) is written by this task only.
                         unsafe {
-                            hbuf.slice_mut(p * i_dim + i..p * i_dim + i + 1)[0] = silu(g[c]) * u[c]
+                            hbuf.slice_mut(p * i_dim + i..p * i_dim + i + 1)[0] = silu(*gv) * uv
                         };
                     }
                     done += chunk;
