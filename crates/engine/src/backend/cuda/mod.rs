@@ -1264,7 +1264,7 @@ impl Backend for CudaBackend {
         if n > 0 {
             // Both modes run the recurrent kernel: it is parallel over heads × value columns and
             // equals the chunked form (see the module docs of kernels/delta_rule.cu).
-            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 8) as u32, 1), (32, 1, 1), 0;
+            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;
                 q.ptr(), k.ptr(), v.ptr(), g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
                 s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32);
         }
