@@ -314,14 +314,14 @@ impl TextConfig {
                 bail!("{name} must be positive, found 0");
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
             bail!(
                 "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
                 self.linear_num_value_heads,
@@ -336,7 +336,7 @@ impl TextConfig {
             );
         }
         let rot = self.rotary_dim();
-        if rot == 0 || rot > self.head_dim || rot % 2 != 0 {
+        if rot == 0 || rot > self.head_dim || !rot.is_multiple_of(2) {
             bail!(
                 "partial_rotary_factor {} gives a rotary dimension of {rot} for head_dim {}; it must be even and in 2..=head_dim",
                 self.rope.partial_rotary_factor,
@@ -597,7 +597,7 @@ impl TextConfig {
             if get(1) != 1 {
                 bail!("indexer_kv_heads must be 1 (QSA has one indexer key head), found {}", get(1));
             }
-            if q.budget % q.compress_ratio != 0 {
+            if !q.budget.is_multiple_of(q.compress_ratio) {
                 bail!(
                     "indexer_budget ({}) must be a multiple of indexer_compress_ratio ({})",
                     q.budget,
@@ -621,7 +621,7 @@ impl TextConfig {
         } else {
             let embed_dim = r.ple_embed_dim.unwrap_or(self.hidden_size);
             let heads = r.ngram_size.saturating_sub(1) * r.heads_per_ngram;
-            if heads == 0 || embed_dim == 0 || embed_dim % heads != 0 {
+            if heads == 0 || embed_dim == 0 || !embed_dim.is_multiple_of(heads) {
                 bail!(
                     "ple_embed_dim ({embed_dim}) must be a positive multiple of the n-gram heads \
                      ((ngram_size - 1) · heads_per_ngram = {heads})"

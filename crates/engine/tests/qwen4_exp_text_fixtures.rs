@@ -32,7 +32,6 @@ struct Fixture {
     prompts: Vec<Vec<u32>>,
     greedy: Vec<Vec<u32>>,
     logits: Vec<Vec<f32>>,
-    vocab: usize,
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -90,7 +89,6 @@ fn fixture(name: &'static str) -> Fixture {
         prompts,
         greedy,
         logits,
-        vocab,
     }
 }
 

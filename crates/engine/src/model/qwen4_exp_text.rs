@@ -552,3 +552,18 @@ pub fn demo_config(vocab_size: usize, eos_token_id: u32) -> serde_json::Value {
     }
     config
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demo_config_is_a_valid_flash_next_config() {
+        let c = TextConfig::from_value(&demo_config(151_936, 151_645)).unwrap();
+        let f = c.qwen4_exp().unwrap();
+        assert_eq!(c.vocab_size, 151_936);
+        assert_eq!(c.eos_token_ids, vec![151_645]);
+        assert!(f.qsa.is_some() && f.ple.is_some());
+        assert!(f.moe.num_experts > f.moe.num_experts_per_tok && f.hc_count > 1);
+    }
+}

@@ -23,6 +23,7 @@ pub struct HyperConnection<B: Backend> {
 impl<B: Backend> HyperConnection<B> {
     /// Loads `p` (`…attn_hyper_connection.`, `…mlp_hyper_connection.` or
     /// `model.hyper_connection_mixer.`); `inject` is false for the final mixer.
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         b: &B,
         ck: &Checkpoint,

@@ -52,12 +52,12 @@ fn is_prime(v: u64) -> bool {
     if v < 2 {
         return false;
     }
-    if v % 2 == 0 {
+    if v.is_multiple_of(2) {
         return v == 2;
     }
     let mut d = 3;
     while d * d <= v {
-        if v % d == 0 {
+        if v.is_multiple_of(d) {
             return false;
         }
         d += 2;
@@ -148,8 +148,8 @@ impl NgramHasher {
             }
             for order in 2..=self.ngram_size {
                 let mut mixed = shifted[0].wrapping_mul(self.multipliers[0]);
-                for p in 1..order {
-                    mixed ^= shifted[p].wrapping_mul(self.multipliers[p]);
+                for (tok, mult) in shifted[1..order].iter().zip(&self.multipliers[1..order]) {
+                    mixed ^= tok.wrapping_mul(*mult);
                 }
                 let first = (order - 2) * self.heads_per_ngram;
                 for h in first..first + self.heads_per_ngram {
