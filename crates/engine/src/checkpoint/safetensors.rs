@@ -23,9 +23,12 @@ struct Entry {
     len: usize,
 }
 
+/// Bytes a shard's tensors borrow from: a memory map, or an in-memory buffer.
+pub type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
 /// All tensors of a checkpoint, across its shards.
 pub struct SafetensorStore {
-    shards: Vec<(PathBuf, Arc<dyn AsRef<[u8]> + Send + Sync>)>,
+    shards: Vec<(PathBuf, SharedBytes)>,
     entries: HashMap<String, Entry>,
 }
 
@@ -149,7 +152,7 @@ impl SafetensorStore {
     /// for the file name in messages.
     pub fn from_buffer(
         label: PathBuf,
-        buffer: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        buffer: SharedBytes,
         tensors: Vec<(String, DType, Vec<usize>, usize)>,
     ) -> Result<Self> {
         let total = (*buffer).as_ref().len();
