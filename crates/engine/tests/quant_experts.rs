@@ -36,7 +36,7 @@ fn simd_isas() -> Vec<Isa> {
 }
 
 fn down_format_for(fmt: RowFormat, i: usize) -> RowFormat {
-    if i % fmt.block_len() == 0 {
+    if i.is_multiple_of(fmt.block_len()) {
         fmt
     } else {
         RowFormat::Ggml(GgmlType::Q2_0)

@@ -160,7 +160,7 @@ impl GgmlType {
 
     /// Bytes of a row of `n` weights, or an error when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Result<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             bail!(
                 "a row of {n} weights is not a whole number of {} blocks ({} weights each)",
                 self.name(),
@@ -185,7 +185,7 @@ pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
 /// Dequantises whole blocks: `src` holds `out.len() / block_len` blocks of type `ty`.
 pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<()> {
     let (bl, bb) = (ty.block_len(), ty.block_bytes());
-    if out.len() % bl != 0 || src.len() != out.len() / bl * bb {
+    if !out.len().is_multiple_of(bl) || src.len() != out.len() / bl * bb {
         bail!(
             "{ty}: {} bytes cannot hold {} weights (expected {} bytes for {} blocks of {bl})",
             src.len(),

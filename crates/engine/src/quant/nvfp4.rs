@@ -50,7 +50,7 @@ impl<'a> Nvfp4Matrix<'a> {
         scales: &'a [u8],
         scale_2: f32,
     ) -> Result<Self> {
-        if cols % GROUP != 0 {
+        if !cols.is_multiple_of(GROUP) {
             bail!("NVFP4 weight {name}: K = {cols} is not a multiple of {GROUP}");
         }
         if codes.len() != rows * cols / 2 {

@@ -143,7 +143,7 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
     };
     let down_format = p
         .down_format
-        .unwrap_or(if p.intermediate % p.format.block_len() == 0 {
+        .unwrap_or(if p.intermediate.is_multiple_of(p.format.block_len()) {
             p.format
         } else {
             RowFormat::Ggml(crate::quant::GgmlType::Q2_0)

@@ -83,7 +83,7 @@ impl RowFormat {
 
     /// Bytes of a row of `k` weights (`k` must be a multiple of the block length).
     pub fn row_bytes(self, k: usize) -> Result<usize> {
-        if k % self.block_len() != 0 {
+        if !k.is_multiple_of(self.block_len()) {
             bail!(
                 "{}: a row of {k} weights is not a whole number of {}-weight blocks",
                 self.name(),
