@@ -476,12 +476,12 @@ mod tests {
         p.logit_bias.insert(3, 100.0);
         p.logit_bias.insert(9999, 5.0); // out of vocabulary: ignored
         let mut s = Sampler::new(p, &[]);
-        assert_eq!(s.sample(&mut vec![1.0, 2.0, 3.0, 0.0]), 3);
+        assert_eq!(s.sample(&mut [1.0, 2.0, 3.0, 0.0]), 3);
         let mut p = params(|_| {});
         p.logit_bias.insert(0, -100.0);
         let mut s = Sampler::new(p, &[]);
         for _ in 0..200 {
-            assert_ne!(s.sample(&mut vec![5.0, 0.0]), 0);
+            assert_ne!(s.sample(&mut [5.0, 0.0]), 0);
         }
     }
 

@@ -85,7 +85,9 @@ fn to_chat_request(r: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
                     Some(last)
                         if last["role"] == "assistant" && last.get("tool_calls").is_some() =>
                     {
-                        last["tool_calls"].as_array_mut().map(|a| a.push(call));
+                        if let Some(calls) = last["tool_calls"].as_array_mut() {
+                            calls.push(call);
+                        }
                     }
                     Some(last) if last["role"] == "assistant" => last["tool_calls"] = json!([call]),
                     _ => messages
