@@ -11,231 +11,15 @@
 //! - projections that read the same input are fused: GDN `in_proj_{qkv,z,b,a}` into one
 //!   matrix, MLP `gate_proj` and `up_proj` into one.
 
+use super::layers::attention::{Attention, AttentionState};
+use super::layers::gdn::{GatedDeltaNet, LinearState};
+use super::layers::mlp::Mlp;
+use super::layers::{tensor, text_prefix, vector, Span};
 use super::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId, SequenceTable, StateSnapshot};
-use crate::backend::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
+use crate::backend::{Backend, NormScale};
 use crate::checkpoint::Checkpoint;
-use crate::config::{LayerType, TextConfig};
-use crate::tensor::HostTensor;
+use crate::config::{GateActivation, LayerType, TextConfig};
 use anyhow::{bail, Context, Result};
-
-/// Where the text model's tensors live: `model.` (a causal-LM export) or
-/// `model.language_model.` (the published multimodal checkpoints).
-fn text_prefix(ck: &Checkpoint) -> &'static str {
-    if ck.weights.contains("model.language_model.embed_tokens.weight") {
-        "model.language_model."
-    } else {
-        "model."
-    }
-}
-
-/// Reads a tensor and checks its shape against the config.
-fn tensor(ck: &Checkpoint, name: &str, shape: &[usize]) -> Result<HostTensor> {
-    let t = ck.weights.get(name)?;
-    t.expect_shape(shape).with_context(|| match ck.weights.file_of(name) {
-        Some(f) => format!("in {}", f.display()),
-        None => String::new(),
-    })?;
-    if !t.dtype.is_float() {
-        bail!("tensor {name} has dtype {}; expected F32, F16 or BF16", t.dtype);
-    }
-    Ok(t)
-}
-
-fn vector<B: Backend>(b: &B, ck: &Checkpoint, name: &str, len: usize) -> Result<B::Vector> {
-    b.vector(&tensor(ck, name, &[len])?.to_f32()?)
-}
-
-// ---------------------------------------------------------------------------------------------
-// Gated DeltaNet (linear attention)
-
-struct GatedDeltaNet<B: Backend> {
-    /// Fused `in_proj_qkv ‖ in_proj_z ‖ in_proj_b ‖ in_proj_a`.
-    in_proj: B::Matrix,
-    /// Depthwise conv taps `[conv_dim, K]`.
-    conv1d: B::Matrix,
-    a_log: B::Vector,
-    dt_bias: B::Vector,
-    norm: B::Vector,
-    out_proj: B::Matrix,
-    shape: DeltaRuleShape,
-    conv_dim: usize,
-    eps: f32,
-}
-
-impl<B: Backend> GatedDeltaNet<B> {
-    fn load(b: &B, ck: &Checkpoint, p: &str, c: &TextConfig) -> Result<Self> {
-        let h = c.hidden_size;
-        let (conv_dim, vd, nv) = (c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads);
-        let parts = [
-            tensor(ck, &format!("{p}in_proj_qkv.weight"), &[conv_dim, h])?,
-            tensor(ck, &format!("{p}in_proj_z.weight"), &[vd, h])?,
-            tensor(ck, &format!("{p}in_proj_b.weight"), &[nv, h])?,
-            tensor(ck, &format!("{p}in_proj_a.weight"), &[nv, h])?,
-        ];
-        let k = c.linear_conv_kernel_dim;
-        let conv = tensor(ck, &format!("{p}conv1d.weight"), &[conv_dim, 1, k])?.reshaped(vec![conv_dim, k])?;
-        Ok(GatedDeltaNet {
-            in_proj: b.matrix(&HostTensor::concat_rows(&format!("{p}in_proj"), &parts)?)?,
-            conv1d: b.matrix(&conv)?,
-            a_log: vector(b, ck, &format!("{p}A_log"), nv)?,
-            dt_bias: vector(b, ck, &format!("{p}dt_bias"), nv)?,
-            norm: vector(b, ck, &format!("{p}norm.weight"), c.linear_value_head_dim)?,
-            out_proj: b.matrix(&tensor(ck, &format!("{p}out_proj.weight"), &[h, vd])?)?,
-            shape: DeltaRuleShape {
-                num_k_heads: c.linear_num_key_heads,
-                num_v_heads: nv,
-                k_head_dim: c.linear_key_head_dim,
-                v_head_dim: c.linear_value_head_dim,
-            },
-            conv_dim,
-            eps: c.rms_norm_eps as f32,
-        })
-    }
-
-    fn forward(&self, b: &B, x: &B::Act, spans: &[Span], states: &mut [&mut LayerState<B>]) -> B::Act {
-        let s = self.shape;
-        let kd = s.num_k_heads * s.k_head_dim;
-        let vd = s.num_v_heads * s.v_head_dim;
-        let nv = s.num_v_heads;
-        // 1. projections of the whole batch
-        let proj = b.linear(x, &self.in_proj);
-        let mixed_qkv = b.cols(&proj, 0..self.conv_dim);
-        let z = b.cols(&proj, self.conv_dim..self.conv_dim + vd);
-        let beta_in = b.cols(&proj, self.conv_dim + vd..self.conv_dim + vd + nv);
-        let a_in = b.cols(&proj, self.conv_dim + vd + nv..self.conv_dim + vd + 2 * nv);
-        let (g, beta) = b.delta_rule_gates(&a_in, &beta_in, &self.a_log, &self.dt_bias);
-        // 2. per sequence: causal conv, then the gated delta rule, each carrying its state
-        let mut outs = Vec::with_capacity(spans.len());
-        for (span, state) in spans.iter().zip(states.iter_mut()) {
-            let LayerState::Linear { conv, recurrent } = &mut **state else {
-                unreachable!("layer state kinds follow the layer types")
-            };
-            let rows = span.rows();
-            let qkv = b.causal_conv1d_silu(&b.rows(&mixed_qkv, rows.clone()), conv, &self.conv1d);
-            let q = b.cols(&qkv, 0..kd);
-            let k = b.cols(&qkv, kd..2 * kd);
-            let v = b.cols(&qkv, 2 * kd..2 * kd + vd);
-            let mode = if span.len == 1 { DeltaRuleMode::Recurrent } else { DeltaRuleMode::Chunked };
-            outs.push(b.gated_delta_rule(
-                &q,
-                &k,
-                &v,
-                &b.rows(&g, rows.clone()),
-                &b.rows(&beta, rows),
-                recurrent,
-                s,
-                mode,
-            ));
-        }
-        // 3. gated RMSNorm per value head, output projection
-        let core = b.cat_rows(&outs);
-        let normed = b.rms_norm_gated(&core, &z, &self.norm, self.eps, s.v_head_dim);
-        b.linear(&normed, &self.out_proj)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Gated full attention
-
-struct Attention<B: Backend> {
-    /// `q_proj` with rows regrouped to `[queries; gates]`.
-    q_proj: B::Matrix,
-    k_proj: B::Matrix,
-    v_proj: B::Matrix,
-    o_proj: B::Matrix,
-    q_norm: B::Vector,
-    k_norm: B::Vector,
-    shape: AttentionShape,
-    rotary_dim: usize,
-    eps: f32,
-}
-
-impl<B: Backend> Attention<B> {
-    fn load(b: &B, ck: &Checkpoint, p: &str, c: &TextConfig) -> Result<Self> {
-        if c.attention_bias {
-            bail!("attention_bias = true is not supported by qwen3_5_text checkpoints");
-        }
-        let (h, nh, nkv, d) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let q = tensor(ck, &format!("{p}q_proj.weight"), &[nh * d * 2, h])?;
-        let queries = (0..nh).map(|i| i * 2 * d..i * 2 * d + d);
-        let gates = (0..nh).map(|i| i * 2 * d + d..(i + 1) * 2 * d);
-        let regrouped: Vec<_> = queries.chain(gates).collect();
-        Ok(Attention {
-            q_proj: b.matrix(&q.gather_rows(&regrouped)?)?,
-            k_proj: b.matrix(&tensor(ck, &format!("{p}k_proj.weight"), &[nkv * d, h])?)?,
-            v_proj: b.matrix(&tensor(ck, &format!("{p}v_proj.weight"), &[nkv * d, h])?)?,
-            o_proj: b.matrix(&tensor(ck, &format!("{p}o_proj.weight"), &[h, nh * d])?)?,
-            q_norm: vector(b, ck, &format!("{p}q_norm.weight"), d)?,
-            k_norm: vector(b, ck, &format!("{p}k_norm.weight"), d)?,
-            shape: AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: d, scale: (d as f32).powf(-0.5) },
-            rotary_dim: c.rotary_dim(),
-            eps: c.rms_norm_eps as f32,
-        })
-    }
-
-    fn forward(
-        &self,
-        b: &B,
-        x: &B::Act,
-        positions: &[usize],
-        inv_freq: &[f32],
-        spans: &[Span],
-        states: &mut [&mut LayerState<B>],
-    ) -> B::Act {
-        let s = self.shape;
-        let qd = s.num_heads * s.head_dim;
-        // 1. projections, per-head q/k norms, rotary embedding
-        let q_and_gate = b.linear(x, &self.q_proj);
-        let gate = b.cols(&q_and_gate, qd..2 * qd);
-        let mut q = b.rms_norm(&b.cols(&q_and_gate, 0..qd), &self.q_norm, self.eps, NormScale::OnePlus, s.head_dim);
-        let mut k = b.rms_norm(&b.linear(x, &self.k_proj), &self.k_norm, self.eps, NormScale::OnePlus, s.head_dim);
-        let v = b.linear(x, &self.v_proj);
-        b.rope(&mut q, positions, s.head_dim, self.rotary_dim, inv_freq);
-        b.rope(&mut k, positions, s.head_dim, self.rotary_dim, inv_freq);
-        // 2. per sequence: append to the KV cache, attend over it
-        let mut outs = Vec::with_capacity(spans.len());
-        for (span, state) in spans.iter().zip(states.iter_mut()) {
-            let LayerState::Attention { k: k_cache, v: v_cache } = &mut **state else {
-                unreachable!("layer state kinds follow the layer types")
-            };
-            b.append_rows(k_cache, &b.rows(&k, span.rows()));
-            b.append_rows(v_cache, &b.rows(&v, span.rows()));
-            outs.push(b.attention(&b.rows(&q, span.rows()), k_cache, v_cache, span.past, s));
-        }
-        // 3. sigmoid output gate, output projection
-        let attn = b.sigmoid_gate(&b.cat_rows(&outs), &gate);
-        b.linear(&attn, &self.o_proj)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// SwiGLU MLP
-
-struct Mlp<B: Backend> {
-    /// Fused `gate_proj ‖ up_proj`.
-    gate_up: B::Matrix,
-    down: B::Matrix,
-    intermediate: usize,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn load(b: &B, ck: &Checkpoint, p: &str, c: &TextConfig) -> Result<Self> {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let gate = tensor(ck, &format!("{p}gate_proj.weight"), &[i, h])?;
-        let up = tensor(ck, &format!("{p}up_proj.weight"), &[i, h])?;
-        Ok(Mlp {
-            gate_up: b.matrix(&HostTensor::concat_rows(&format!("{p}gate_up_proj"), &[gate, up])?)?,
-            down: b.matrix(&tensor(ck, &format!("{p}down_proj.weight"), &[h, i])?)?,
-            intermediate: i,
-        })
-    }
-
-    fn forward(&self, b: &B, x: &B::Act) -> B::Act {
-        let gu = b.linear(x, &self.gate_up);
-        let act = b.silu_mul(&b.cols(&gu, 0..self.intermediate), &b.cols(&gu, self.intermediate..2 * self.intermediate));
-        b.linear(&act, &self.down)
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Decoder layer and model
@@ -255,16 +39,16 @@ struct DecoderLayer<B: Backend> {
 /// Per-layer state of one sequence.
 pub enum LayerState<B: Backend> {
     /// KV cache `[len, kv_heads·d]` each.
-    Attention { k: B::Act, v: B::Act },
+    Attention(AttentionState<B>),
     /// Conv history `[K-1, conv_dim]` and recurrent state `[v_heads·dk, dv]` (f32).
-    Linear { conv: B::Act, recurrent: B::Act },
+    Linear(LinearState<B>),
 }
 
 impl<B: Backend> Clone for LayerState<B> {
     fn clone(&self) -> Self {
         match self {
-            LayerState::Attention { k, v } => LayerState::Attention { k: k.clone(), v: v.clone() },
-            LayerState::Linear { conv, recurrent } => LayerState::Linear { conv: conv.clone(), recurrent: recurrent.clone() },
+            LayerState::Attention(a) => LayerState::Attention(a.clone()),
+            LayerState::Linear(l) => LayerState::Linear(l.clone()),
         }
     }
 }
@@ -278,21 +62,6 @@ pub struct SeqState<B: Backend> {
 impl<B: Backend> Clone for SeqState<B> {
     fn clone(&self) -> Self {
         SeqState { len: self.len, layers: self.layers.clone() }
-    }
-}
-
-/// Rows of one sequence inside a batch.
-#[derive(Debug, Clone, Copy)]
-struct Span {
-    start: usize,
-    len: usize,
-    /// Tokens already in the sequence before this batch.
-    past: usize,
-}
-
-impl Span {
-    fn rows(&self) -> std::ops::Range<usize> {
-        self.start..self.start + self.len
     }
 }
 
@@ -320,14 +89,14 @@ impl<B: Backend> Qwen3_5Text<B> {
         for (i, kind) in c.layer_types.iter().enumerate() {
             let p = format!("{prefix}layers.{i}.");
             let mixer = match kind {
-                LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::load(b, ck, &format!("{p}linear_attn."), &c)?),
-                LayerType::FullAttention => Mixer::Full(Attention::load(b, ck, &format!("{p}self_attn."), &c)?),
+                LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::load(b, ck, &format!("{p}linear_attn."), &c, GateActivation::Silu)?),
+                LayerType::FullAttention => Mixer::Full(Attention::load(b, ck, &format!("{p}self_attn."), &c, None)?),
             };
             layers.push(DecoderLayer {
                 input_layernorm: vector(b, ck, &format!("{p}input_layernorm.weight"), h)?,
                 mixer,
                 post_attention_layernorm: vector(b, ck, &format!("{p}post_attention_layernorm.weight"), h)?,
-                mlp: Mlp::load(b, ck, &format!("{p}mlp."), &c)?,
+                mlp: Mlp::load(b, ck, &format!("{p}mlp."), h, c.intermediate_size)?,
             });
         }
         let norm = vector(b, ck, &format!("{prefix}norm.weight"), h)?;
@@ -386,14 +155,8 @@ impl<B: Backend> Qwen3_5Text<B> {
             .layer_types
             .iter()
             .map(|t| match t {
-                LayerType::FullAttention => LayerState::Attention {
-                    k: b.zeros(0, c.num_key_value_heads * c.head_dim),
-                    v: b.zeros(0, c.num_key_value_heads * c.head_dim),
-                },
-                LayerType::LinearAttention => LayerState::Linear {
-                    conv: b.zeros(c.linear_conv_kernel_dim - 1, c.linear_conv_dim()),
-                    recurrent: b.zeros(c.linear_num_value_heads * c.linear_key_head_dim, c.linear_value_head_dim),
-                },
+                LayerType::FullAttention => LayerState::Attention(AttentionState::new(b, c, None)),
+                LayerType::LinearAttention => LayerState::Linear(LinearState::new(b, c)),
             })
             .collect();
         SeqState { len: 0, layers }
@@ -462,11 +225,28 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
         let mut x = b.embedding(&self.embed_tokens, &ids);
         // 2. decoder layers
         for (li, layer) in self.layers.iter().enumerate() {
-            let mut layer_states: Vec<&mut LayerState<B>> = states.iter_mut().map(|s| &mut s.layers[li]).collect();
             let h = b.rms_norm(&x, &layer.input_layernorm, eps, NormScale::OnePlus, hsz);
             let mixed = match &layer.mixer {
-                Mixer::Linear(gdn) => gdn.forward(b, &h, &spans, &mut layer_states),
-                Mixer::Full(attn) => attn.forward(b, &h, &positions, &self.inv_freq, &spans, &mut layer_states),
+                Mixer::Linear(gdn) => {
+                    let mut layer_states: Vec<&mut LinearState<B>> = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[li] {
+                            LayerState::Linear(l) => l,
+                            LayerState::Attention(_) => unreachable!("layer state kinds follow the layer types"),
+                        })
+                        .collect();
+                    gdn.forward(b, &h, &spans, &mut layer_states)
+                }
+                Mixer::Full(attn) => {
+                    let mut layer_states: Vec<&mut AttentionState<B>> = states
+                        .iter_mut()
+                        .map(|s| match &mut s.layers[li] {
+                            LayerState::Attention(a) => a,
+                            LayerState::Linear(_) => unreachable!("layer state kinds follow the layer types"),
+                        })
+                        .collect();
+                    attn.forward(b, &h, &positions, &self.inv_freq, &spans, &mut layer_states)
+                }
             };
             b.add_assign(&mut x, &mixed);
             let h = b.rms_norm(&x, &layer.post_attention_layernorm, eps, NormScale::OnePlus, hsz);
@@ -513,16 +293,8 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             .layers
             .iter()
             .map(|l| match l {
-                LayerState::Attention { k, v } => {
-                    let (r, c) = b.shape(k);
-                    let (r2, c2) = b.shape(v);
-                    (r * c + r2 * c2) * 4
-                }
-                LayerState::Linear { conv, recurrent } => {
-                    let (r, c) = b.shape(conv);
-                    let (r2, c2) = b.shape(recurrent);
-                    (r * c + r2 * c2) * 4
-                }
+                LayerState::Attention(a) => a.bytes(b),
+                LayerState::Linear(l) => l.bytes(b),
             })
             .sum();
         Ok(StateSnapshot { len: st.len, data: Box::new(st.clone()), bytes })
