@@ -625,3 +625,31 @@ async fn keepalive_pings_while_waiting_and_models_and_metrics() {
     assert!(b.contains("capy_queue_depth 0"));
     assert!(b.contains("capy_prefix_cache_hits_total 0"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_tool_choice_prefills_the_call_with_injected_parameters_and_history_with_tool_results(
+) {
+    // The prompt opens `<tool_call><function=get_weather>`; the injected output continues it.
+    let srv = start(
+        "<parameter=city>\nBern\n</parameter>\n</function>\n</tool_call>",
+        SchedulerConfig::default(),
+        ServerConfig::default(),
+        Duration::ZERO,
+    )
+    .await;
+    let body = json!({"model": "m", "max_tokens": 50, "tools": [weather_tool_anthropic()], "tool_choice": {"type": "tool", "name": "get_weather"},
+    "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": true, "content": [{"type": "text", "text": "timeout"}]}, {"type": "text", "text": "Try Bern."}]},
+    ]});
+    let (s, r) = post(srv.addr, "/v1/messages", body).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["stop_reason"], "tool_use");
+    assert_eq!(r["content"][0]["type"], "tool_use");
+    assert_eq!(r["content"][0]["input"], json!({"city": "Bern"}));
+    // Unknown tool names in tool_choice are refused.
+    let body = json!({"model": "m", "max_tokens": 5, "tools": [weather_tool_anthropic()], "tool_choice": {"type": "tool", "name": "nope"}, "messages": [{"role": "user", "content": "x"}]});
+    let (s, r) = post(srv.addr, "/v1/messages", body).await;
+    assert_eq!(s, 400, "{r}");
+}
