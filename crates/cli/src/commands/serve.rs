@@ -1,6 +1,5 @@
 //! `capy-flash serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
-use super::model_arg;
 use anyhow::{bail, Context, Result};
 use capy_engine::scheduler::SchedulerConfig;
 use capy_server::{ServerConfig, DEFAULT_PORT};
@@ -40,7 +39,16 @@ pub fn run(a: Args) -> Result<()> {
     if !a.host.is_loopback() && a.api_key.as_deref().is_none_or(str::is_empty) {
         bail!("binding to {} exposes the server beyond this machine; give --api-key KEY (or set CAPY_API_KEY), or bind 127.0.0.1", a.host);
     }
-    let dir = model_arg::resolve(&a.model)?;
+    let dir = if capy_engine::demo::is_demo_name(&a.model) {
+        let dir = capy_engine::demo::ensure_demo_model(&a.model)?;
+        eprintln!(
+            "note: \"{}\" is the built-in demo model with random weights: its output is gibberish.",
+            a.model
+        );
+        dir
+    } else {
+        std::path::PathBuf::from(&a.model)
+    };
     let model_id = a.served_model_name.clone().unwrap_or_else(|| {
         if capy_engine::demo::is_demo_name(&a.model) {
             a.model.clone()
