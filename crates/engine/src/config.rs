@@ -177,7 +177,12 @@ impl TextConfig {
                     format!("model_type \"{model_type}\" needs a \"text_config\" object")
                 })?;
                 // Token ids often live only on the wrapper.
-                for key in ["eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"] {
+                for key in [
+                    "eos_token_id",
+                    "bos_token_id",
+                    "pad_token_id",
+                    "tie_word_embeddings",
+                ] {
                     if text.get(key).is_none() {
                         if let Some(v) = value.get(key) {
                             text[key] = v.clone();
@@ -197,7 +202,9 @@ impl TextConfig {
     }
 
     fn from_raw(architecture: Architecture, r: RawText, raw: Value) -> Result<Self> {
-        let head_dim = r.head_dim.unwrap_or(r.hidden_size / r.num_attention_heads.max(1));
+        let head_dim = r
+            .head_dim
+            .unwrap_or(r.hidden_size / r.num_attention_heads.max(1));
         let rope = match &r.rope_parameters {
             Some(p) => RopeConfig {
                 theta: p
@@ -222,7 +229,10 @@ impl TextConfig {
             },
         };
         if let Some(p) = &r.rope_parameters {
-            let rope_type = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
+            let rope_type = p
+                .get("rope_type")
+                .and_then(Value::as_str)
+                .unwrap_or("default");
             if rope_type != "default" {
                 bail!("rope_type \"{rope_type}\" is not supported; expected \"default\"");
             }
@@ -256,10 +266,16 @@ impl TextConfig {
         };
         let eos_token_ids = match &r.eos_token_id {
             None | Some(Value::Null) => vec![],
-            Some(Value::Number(n)) => vec![n.as_u64().context("eos_token_id must be a token id")? as u32],
+            Some(Value::Number(n)) => {
+                vec![n.as_u64().context("eos_token_id must be a token id")? as u32]
+            }
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as u32).context("eos_token_id entries must be token ids"))
+                .map(|v| {
+                    v.as_u64()
+                        .map(|x| x as u32)
+                        .context("eos_token_id entries must be token ids")
+                })
                 .collect::<Result<_>>()?,
             Some(other) => bail!("eos_token_id must be an id or a list of ids, found {other}"),
         };
@@ -314,14 +330,20 @@ impl TextConfig {
                 bail!("{name} must be positive, found 0");
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             bail!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
+        if !self
+            .linear_num_value_heads
+            .is_multiple_of(self.linear_num_key_heads)
+        {
             bail!(
                 "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
                 self.linear_num_value_heads,
@@ -344,7 +366,10 @@ impl TextConfig {
             );
         }
         if self.hidden_act != "silu" {
-            bail!("hidden_act \"{}\" is not supported; expected \"silu\"", self.hidden_act);
+            bail!(
+                "hidden_act \"{}\" is not supported; expected \"silu\"",
+                self.hidden_act
+            );
         }
         if self.architecture == Architecture::Qwen3_5Text && self.intermediate_size == 0 {
             bail!("intermediate_size must be positive for a dense qwen3_5_text model");
@@ -536,16 +561,24 @@ impl TextConfig {
     /// Parses and checks the Flash-Next fields (the same invariants transformers' config
     /// enforces), so a checkpoint that the reference would refuse is refused here at load.
     pub fn qwen4_exp(&self) -> Result<Qwen4ExpConfig> {
-        let r: RawQwen4Exp =
-            serde_json::from_value(self.raw.clone()).context("qwen4_exp_text configuration is malformed")?;
-        let gate_name = r.output_gate_type.clone().unwrap_or_else(|| self.hidden_act.clone());
+        let r: RawQwen4Exp = serde_json::from_value(self.raw.clone())
+            .context("qwen4_exp_text configuration is malformed")?;
+        let gate_name = r
+            .output_gate_type
+            .clone()
+            .unwrap_or_else(|| self.hidden_act.clone());
         let output_gate = match gate_name.as_str() {
             "sigmoid" => GateActivation::Sigmoid,
             "silu" => GateActivation::Silu,
-            other => bail!("output_gate_type \"{other}\" is not supported; expected \"sigmoid\" or \"silu\""),
+            other => bail!(
+                "output_gate_type \"{other}\" is not supported; expected \"sigmoid\" or \"silu\""
+            ),
         };
         if r.hc_count <= 1 {
-            bail!("hc_count must be greater than 1 (the hyper-connection streams), found {}", r.hc_count);
+            bail!(
+                "hc_count must be greater than 1 (the hyper-connection streams), found {}",
+                r.hc_count
+            );
         }
         if r.hc_lowrank == 0 {
             bail!("hc_lowrank must be positive, found 0");
@@ -577,7 +610,11 @@ impl TextConfig {
         let qsa = if fields.iter().all(|(_, v)| v.is_none()) {
             None
         } else {
-            let missing: Vec<&str> = fields.iter().filter(|(_, v)| v.is_none()).map(|(n, _)| *n).collect();
+            let missing: Vec<&str> = fields
+                .iter()
+                .filter(|(_, v)| v.is_none())
+                .map(|(n, _)| *n)
+                .collect();
             if !missing.is_empty() {
                 bail!(
                     "QSA config is partly set: {} missing; set all five indexer_* fields or none",
@@ -595,7 +632,10 @@ impl TextConfig {
                 compress_ratio: get(4),
             };
             if get(1) != 1 {
-                bail!("indexer_kv_heads must be 1 (QSA has one indexer key head), found {}", get(1));
+                bail!(
+                    "indexer_kv_heads must be 1 (QSA has one indexer key head), found {}",
+                    get(1)
+                );
             }
             if !q.budget.is_multiple_of(q.compress_ratio) {
                 bail!(
@@ -627,11 +667,20 @@ impl TextConfig {
                      ((ngram_size - 1) · heads_per_ngram = {heads})"
                 );
             }
-            if let Some(bad) = ple_ids.iter().find(|&&id| id < 1 || id > self.num_hidden_layers) {
-                bail!("ple_layer_ids are one-based layer ids in 1..={}, found {bad}", self.num_hidden_layers);
+            if let Some(bad) = ple_ids
+                .iter()
+                .find(|&&id| id < 1 || id > self.num_hidden_layers)
+            {
+                bail!(
+                    "ple_layer_ids are one-based layer ids in 1..={}, found {bad}",
+                    self.num_hidden_layers
+                );
             }
-            let on_attention: Vec<usize> =
-                ple_ids.iter().copied().filter(|&id| self.layer_types[id - 1] != LayerType::LinearAttention).collect();
+            let on_attention: Vec<usize> = ple_ids
+                .iter()
+                .copied()
+                .filter(|&id| self.layer_types[id - 1] != LayerType::LinearAttention)
+                .collect();
             if !on_attention.is_empty() {
                 bail!("PLE is only supported on linear_attention layers, but ple_layer_ids puts it on attention layers {on_attention:?}");
             }
@@ -639,11 +688,17 @@ impl TextConfig {
                 .eos_token_ids
                 .first()
                 .context("eos_token_id must be set when PLE layers are enabled (it pads and separates n-grams)")?;
-            if r.ple_conv_kernel_size == 0 || r.split_ngram_parts == 0 || r.make_ngram_vocab_size_divisible_by == 0 {
+            if r.ple_conv_kernel_size == 0
+                || r.split_ngram_parts == 0
+                || r.make_ngram_vocab_size_divisible_by == 0
+            {
                 bail!("ple_conv_kernel_size, split_ngram_parts and make_ngram_vocab_size_divisible_by must be positive");
             }
             if r.ngram_vocab_size_base < 2 {
-                bail!("ngram_vocab_size_base must be at least 2, found {}", r.ngram_vocab_size_base);
+                bail!(
+                    "ngram_vocab_size_base must be at least 2, found {}",
+                    r.ngram_vocab_size_base
+                );
             }
             Some(PleConfig {
                 layers: ple_ids.iter().map(|id| id - 1).collect(),
@@ -714,7 +769,10 @@ mod tests {
         let mut inner = tiny();
         inner.as_object_mut().unwrap().remove("eos_token_id");
         let v2 = json!({"model_type": "qwen3_5", "text_config": inner, "eos_token_id": 7});
-        assert_eq!(TextConfig::from_value(&v).unwrap().eos_token_ids, vec![1, 2]);
+        assert_eq!(
+            TextConfig::from_value(&v).unwrap().eos_token_ids,
+            vec![1, 2]
+        );
         assert_eq!(TextConfig::from_value(&v2).unwrap().eos_token_ids, vec![7]);
     }
 

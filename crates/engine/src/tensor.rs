@@ -61,7 +61,11 @@ pub struct Bytes {
 impl Bytes {
     pub fn from_vec(v: Vec<u8>) -> Self {
         let len = v.len();
-        Bytes { owner: Arc::new(v), start: 0, len }
+        Bytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
     }
     pub fn slice_of(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
         debug_assert!(start + len <= (*owner).as_ref().len());
@@ -69,8 +73,16 @@ impl Bytes {
     }
     /// Bytes `start..start + len` of these, sharing the owner (no copy).
     pub fn slice(&self, start: usize, len: usize) -> Bytes {
-        assert!(start + len <= self.len, "Bytes::slice {start}+{len} outside {} bytes", self.len);
-        Bytes { owner: self.owner.clone(), start: self.start + start, len }
+        assert!(
+            start + len <= self.len,
+            "Bytes::slice {start}+{len} outside {} bytes",
+            self.len
+        );
+        Bytes {
+            owner: self.owner.clone(),
+            start: self.start + start,
+            len,
+        }
     }
     pub fn as_slice(&self) -> &[u8] {
         &(*self.owner).as_ref()[self.start..self.start + self.len]
@@ -102,7 +114,12 @@ impl HostTensor {
     pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Self {
         assert_eq!(shape.iter().product::<usize>(), values.len());
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        HostTensor { name: name.into(), dtype: DType::F32, shape, data: Bytes::from_vec(bytes) }
+        HostTensor {
+            name: name.into(),
+            dtype: DType::F32,
+            shape,
+            data: Bytes::from_vec(bytes),
+        }
     }
 
     pub fn numel(&self) -> usize {
@@ -126,9 +143,18 @@ impl HostTensor {
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let b = self.data.as_slice();
         Ok(match self.dtype {
-            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
             other => bail!(
                 "tensor {} has dtype {other}; expected a float tensor (F32, F16 or BF16)",
                 self.name
@@ -142,38 +168,67 @@ impl HostTensor {
     /// `[C, 1, K]` conv weight to `[C, K]`).
     pub fn reshaped(&self, shape: Vec<usize>) -> Result<HostTensor> {
         if shape.iter().product::<usize>() != self.numel() {
-            bail!("tensor {} of shape {:?} cannot be viewed as {:?}", self.name, self.shape, shape);
+            bail!(
+                "tensor {} of shape {:?} cannot be viewed as {:?}",
+                self.name,
+                self.shape,
+                shape
+            );
         }
-        Ok(HostTensor { shape, ..self.clone() })
+        Ok(HostTensor {
+            shape,
+            ..self.clone()
+        })
     }
 
     /// A new 2-D tensor made of the given row ranges, in order (used to re-lay weights once at
     /// load, e.g. to separate interleaved query and gate rows).
     pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Result<HostTensor> {
         if self.shape.len() != 2 {
-            bail!("tensor {} has shape {:?}; expected 2-D", self.name, self.shape);
+            bail!(
+                "tensor {} has shape {:?}; expected 2-D",
+                self.name,
+                self.shape
+            );
         }
         let row_bytes = self.shape[1] * self.dtype.size();
         let src = self.data.as_slice();
         let mut out = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * row_bytes);
         for r in ranges {
             if r.end > self.shape[0] {
-                bail!("tensor {}: rows {r:?} are outside its {} rows", self.name, self.shape[0]);
+                bail!(
+                    "tensor {}: rows {r:?} are outside its {} rows",
+                    self.name,
+                    self.shape[0]
+                );
             }
             out.extend_from_slice(&src[r.start * row_bytes..r.end * row_bytes]);
         }
         let rows = out.len() / row_bytes.max(1);
-        Ok(HostTensor { name: self.name.clone(), dtype: self.dtype, shape: vec![rows, self.shape[1]], data: Bytes::from_vec(out) })
+        Ok(HostTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: vec![rows, self.shape[1]],
+            data: Bytes::from_vec(out),
+        })
     }
 
     /// Stacks 2-D tensors with equal column counts (fusing projections that read the same
     /// input into one matmul). Mixed dtypes are converted to F32.
     pub fn concat_rows(name: &str, parts: &[HostTensor]) -> Result<HostTensor> {
-        let first = parts.first().context("concat_rows needs at least one tensor")?;
+        let first = parts
+            .first()
+            .context("concat_rows needs at least one tensor")?;
         let cols = first.shape.get(1).copied().unwrap_or(0);
         for p in parts {
             if p.shape.len() != 2 || p.shape[1] != cols {
-                bail!("cannot fuse {} of shape {:?} with {} of shape {:?}: column counts differ", p.name, p.shape, first.name, first.shape);
+                bail!(
+                    "cannot fuse {} of shape {:?} with {} of shape {:?}: column counts differ",
+                    p.name,
+                    p.shape,
+                    first.name,
+                    first.shape
+                );
             }
         }
         let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
@@ -182,7 +237,12 @@ impl HostTensor {
             for p in parts {
                 out.extend_from_slice(p.data.as_slice());
             }
-            return Ok(HostTensor { name: name.into(), dtype: first.dtype, shape: vec![rows, cols], data: Bytes::from_vec(out) });
+            return Ok(HostTensor {
+                name: name.into(),
+                dtype: first.dtype,
+                shape: vec![rows, cols],
+                data: Bytes::from_vec(out),
+            });
         }
         let mut values = Vec::with_capacity(rows * cols);
         for p in parts {

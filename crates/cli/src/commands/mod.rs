@@ -1,4 +1,10 @@
 //! One module per subcommand.
 
+pub mod bench;
+pub mod bench_cpu_experts;
+pub mod bench_gpu;
 pub mod doctor;
+pub mod generate;
+pub mod model_arg;
 pub mod score;
+pub mod serve;

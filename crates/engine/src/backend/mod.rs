@@ -118,27 +118,66 @@ pub trait Backend: Send + Sync + 'static {
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
     /// RMSNorm over each consecutive group of `group` columns (`group == cols` for a whole row;
     /// the head dimension for per-head q/k norms), weight of length `group`.
-    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32, scale: NormScale, group: usize) -> Self::Act;
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        scale: NormScale,
+        group: usize,
+    ) -> Self::Act;
     /// GDN output norm: `rms_norm(x) · w · silu(gate)` per group of `group` columns.
-    fn rms_norm_gated(&self, x: &Self::Act, gate: &Self::Act, w: &Self::Vector, eps: f32, group: usize) -> Self::Act;
+    fn rms_norm_gated(
+        &self,
+        x: &Self::Act,
+        gate: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        group: usize,
+    ) -> Self::Act;
     /// `silu(gate) · up`.
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
     /// `x · sigmoid(gate)`.
     fn sigmoid_gate(&self, x: &Self::Act, gate: &Self::Act) -> Self::Act;
     /// Rotates the first `rotary_dim` dims of every head in place (rotate-half convention);
     /// row `r` is at position `positions[r]`.
-    fn rope(&self, x: &mut Self::Act, positions: &[usize], head_dim: usize, rotary_dim: usize, inv_freq: &[f32]);
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        inv_freq: &[f32],
+    );
 
     // --- per-sequence ops ---
     /// Causal softmax attention of one sequence's new queries `q` `[n, heads·d]` over its whole
     /// cache `k`, `v` `[past + n, kv_heads·d]`; query row `i` sits at position `past + i`.
-    fn attention(&self, q: &Self::Act, k: &Self::Act, v: &Self::Act, past: usize, shape: AttentionShape) -> Self::Act;
+    fn attention(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        past: usize,
+        shape: AttentionShape,
+    ) -> Self::Act;
     /// Depthwise causal conv (kernel `K` = `weight.cols`) with SiLU over one sequence's rows;
     /// `state` `[K-1, channels]` holds the previous inputs and is updated.
-    fn causal_conv1d_silu(&self, x: &Self::Act, state: &mut Self::Act, weight: &Self::Matrix) -> Self::Act;
+    fn causal_conv1d_silu(
+        &self,
+        x: &Self::Act,
+        state: &mut Self::Act,
+        weight: &Self::Matrix,
+    ) -> Self::Act;
     /// GDN gates from the `a` and `b` projections: `g = -exp(A_log)·softplus(a + dt_bias)`,
     /// `beta = sigmoid(b)`, both `[n, v_heads]`.
-    fn delta_rule_gates(&self, a: &Self::Act, b: &Self::Act, a_log: &Self::Vector, dt_bias: &Self::Vector) -> (Self::Act, Self::Act);
+    fn delta_rule_gates(
+        &self,
+        a: &Self::Act,
+        b: &Self::Act,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+    ) -> (Self::Act, Self::Act);
     /// The gated delta rule over one sequence: q, k `[n, k_heads·dk]` (L2-normalised inside),
     /// v `[n, v_heads·dv]`, g and beta `[n, v_heads]`; `state` `[v_heads·dk, dv]` is updated.
     /// Returns `[n, v_heads·dv]`.
@@ -163,23 +202,43 @@ pub trait Backend: Send + Sync + 'static {
     /// hyper-connection norms, whose weight spans all streams.
     fn scale_cols(&self, x: &Self::Act, scale: &Self::Act) -> Self::Act {
         let (rows, cols) = self.shape(x);
-        self.from_host(rows, cols, &cpu::hyper::scale_cols(&self.to_host(x), &self.to_host(scale)))
+        self.from_host(
+            rows,
+            cols,
+            &cpu::hyper::scale_cols(&self.to_host(x), &self.to_host(scale)),
+        )
     }
     /// `silu(x · scale)`.
     fn silu_scaled(&self, x: &Self::Act, scale: f32) -> Self::Act {
         let (rows, cols) = self.shape(x);
-        self.from_host(rows, cols, &cpu::hyper::silu_scaled(&self.to_host(x), scale))
+        self.from_host(
+            rows,
+            cols,
+            &cpu::hyper::silu_scaled(&self.to_host(x), scale),
+        )
     }
     /// Hyper-connection read-out: the mean over `streams` of `sigmoid(mix) · normed`, both
     /// `[n, streams·h]`; returns `[n, h]`.
     fn hc_mix(&self, normed: &Self::Act, mix_logits: &Self::Act, streams: usize) -> Self::Act {
         let (rows, cols) = self.shape(normed);
-        let out = cpu::hyper::hc_mix(&self.to_host(normed), &self.to_host(mix_logits), rows, cols / streams, streams);
+        let out = cpu::hyper::hc_mix(
+            &self.to_host(normed),
+            &self.to_host(mix_logits),
+            rows,
+            cols / streams,
+            streams,
+        );
         self.from_host(rows, cols / streams, &out)
     }
     /// Hyper-connection write-back: `residual [n, s·h] + out [n, h] · 2·sigmoid(logit_s / s)` per
     /// stream `s`, with `inject_logits` `[n, s]`.
-    fn hc_inject(&self, residual: &Self::Act, out: &Self::Act, inject_logits: &Self::Act, streams: usize) -> Self::Act {
+    fn hc_inject(
+        &self,
+        residual: &Self::Act,
+        out: &Self::Act,
+        inject_logits: &Self::Act,
+        streams: usize,
+    ) -> Self::Act {
         let (rows, cols) = self.shape(residual);
         let host = cpu::hyper::hc_inject(
             &self.to_host(residual),
@@ -193,7 +252,13 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// PLE gate: per stream `g = <key_s, query_s> / sqrt(h)`, signed square root, then
     /// `sigmoid(g) · value`; `key`, `query` `[n, s·h]`, `value` `[n, h]` → `[n, s·h]`.
-    fn ple_gate(&self, key: &Self::Act, query: &Self::Act, value: &Self::Act, streams: usize) -> Self::Act {
+    fn ple_gate(
+        &self,
+        key: &Self::Act,
+        query: &Self::Act,
+        value: &Self::Act,
+        streams: usize,
+    ) -> Self::Act {
         let (rows, cols) = self.shape(key);
         let host = cpu::hyper::ple_gate(
             &self.to_host(key),
@@ -208,7 +273,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Mean of each consecutive group of `group` rows: `[rows / group, cols]` (QSA key blocks).
     fn mean_pool_rows(&self, x: &Self::Act, group: usize) -> Self::Act {
         let (rows, cols) = self.shape(x);
-        self.from_host(rows / group, cols, &cpu::qsa::mean_pool_rows(&self.to_host(x), cols, group))
+        self.from_host(
+            rows / group,
+            cols,
+            &cpu::qsa::mean_pool_rows(&self.to_host(x), cols, group),
+        )
     }
     /// Qwen Sparse Attention of one sequence: each new query (at position `past + i`) attends to
     /// the `block_topk` complete key blocks its indexer query `index_q` `[n, index_heads·d]`
@@ -248,20 +317,34 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Routed experts: row `r` gets `Σ_j w_j · down_e(silu(gate_e x) · up_e x)` over its routed
     /// experts `e`. The default runs each hit expert on its rows through [`Backend::linear`].
-    fn moe_experts(&self, x: &Self::Act, routing: &MoeRouting, experts: &[ExpertMatrices<Self::Matrix>]) -> Self::Act {
+    fn moe_experts(
+        &self,
+        x: &Self::Act,
+        routing: &MoeRouting,
+        experts: &[ExpertMatrices<Self::Matrix>],
+    ) -> Self::Act {
         let (rows, hidden) = self.shape(x);
         let mut out = vec![0f32; rows * hidden];
-        for (e, rows_of_e) in cpu::moe::rows_per_expert(routing, experts.len()).iter().enumerate() {
+        for (e, rows_of_e) in cpu::moe::rows_per_expert(routing, experts.len())
+            .iter()
+            .enumerate()
+        {
             if rows_of_e.is_empty() {
                 continue;
             }
-            let picked: Vec<Self::Act> = rows_of_e.iter().map(|&(r, _)| self.rows(x, r..r + 1)).collect();
+            let picked: Vec<Self::Act> = rows_of_e
+                .iter()
+                .map(|&(r, _)| self.rows(x, r..r + 1))
+                .collect();
             let gu = self.linear(&self.cat_rows(&picked), &experts[e].gate_up);
             let inter = self.shape(&gu).1 / 2;
             let act = self.silu_mul(&self.cols(&gu, 0..inter), &self.cols(&gu, inter..2 * inter));
             let y = self.to_host(&self.linear(&act, &experts[e].down));
             for (i, &(r, w)) in rows_of_e.iter().enumerate() {
-                for (o, v) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(&y[i * hidden..(i + 1) * hidden]) {
+                for (o, v) in out[r * hidden..(r + 1) * hidden]
+                    .iter_mut()
+                    .zip(&y[i * hidden..(i + 1) * hidden])
+                {
                     *o += w * v;
                 }
             }

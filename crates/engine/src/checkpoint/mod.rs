@@ -49,11 +49,17 @@ impl Checkpoint {
             bail!("model folder {} does not exist", dir.display());
         }
         if !dir.is_dir() {
-            bail!("{} is not a folder; --model expects a Hugging Face model folder (or \"demo\")", dir.display());
+            bail!(
+                "{} is not a folder; --model expects a Hugging Face model folder (or \"demo\")",
+                dir.display()
+            );
         }
         let config_path = dir.join("config.json");
         if !config_path.exists() {
-            bail!("{} has no config.json; is this a Hugging Face model folder?", dir.display());
+            bail!(
+                "{} has no config.json; is this a Hugging Face model folder?",
+                dir.display()
+            );
         }
         let config = TextConfig::from_file(&config_path)?;
         let weights = SafetensorStore::open_dir(dir)?;
@@ -61,18 +67,29 @@ impl Checkpoint {
         let generation = if gen_path.exists() {
             let text = std::fs::read_to_string(&gen_path)
                 .with_context(|| format!("cannot read {}", gen_path.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{} is malformed", gen_path.display()))?
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is malformed", gen_path.display()))?
         } else {
             GenerationConfig::default()
         };
-        Ok(Checkpoint { dir: dir.to_path_buf(), config, weights, generation })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            weights,
+            generation,
+        })
     }
 
     /// End-of-sequence ids: the generation config's, else the model config's.
     pub fn eos_token_ids(&self) -> Vec<u32> {
         let from_gen: Vec<u32> = match &self.generation.eos_token_id {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect(),
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|v| v.as_u64().map(|v| v as u32))
+                .collect(),
             _ => vec![],
         };
         if from_gen.is_empty() {

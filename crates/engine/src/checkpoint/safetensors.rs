@@ -61,8 +61,10 @@ impl SafetensorStore {
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .with_context(|| format!("{} has no \"weight_map\" object", index.display()))?;
-            let mut names: Vec<String> =
-                map.values().filter_map(|f| f.as_str().map(str::to_owned)).collect();
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(str::to_owned))
+                .collect();
             names.sort();
             names.dedup();
             names.into_iter().map(|n| dir.join(n)).collect()
@@ -88,7 +90,10 @@ impl SafetensorStore {
 
     /// Opens the given shard files.
     pub fn open_files(files: &[PathBuf]) -> Result<Self> {
-        let mut store = SafetensorStore { shards: vec![], entries: HashMap::new() };
+        let mut store = SafetensorStore {
+            shards: vec![],
+            entries: HashMap::new(),
+        };
         for path in files {
             store.add_file(path)?;
         }
@@ -96,8 +101,9 @@ impl SafetensorStore {
     }
 
     fn add_file(&mut self, path: &Path) -> Result<()> {
-        let file = std::fs::File::open(path)
-            .with_context(|| format!("weights shard {} is missing or unreadable", path.display()))?;
+        let file = std::fs::File::open(path).with_context(|| {
+            format!("weights shard {} is missing or unreadable", path.display())
+        })?;
         // SAFETY: the checkpoint files are treated as read-only for the life of the process;
         // modifying them while the server runs is unsupported (as with every mmap-based loader).
         let map = unsafe { Mmap::map(&file) }
@@ -114,7 +120,11 @@ impl SafetensorStore {
         let mut tensors: BTreeMap<String, Entry> = BTreeMap::new();
         for (name, info) in meta.tensors() {
             let dtype = convert_dtype(info.dtype).with_context(|| {
-                format!("tensor {name} in {} has unsupported dtype {:?}", path.display(), info.dtype)
+                format!(
+                    "tensor {name} in {} has unsupported dtype {:?}",
+                    path.display(),
+                    info.dtype
+                )
             })?;
             let (s, e) = info.data_offsets;
             let numel: usize = info.shape.iter().product();
@@ -135,15 +145,28 @@ impl SafetensorStore {
                     map.len()
                 );
             }
-            tensors.insert(name.clone(), Entry { shard, dtype, shape: info.shape.clone(), start: base + s, len: e - s });
+            tensors.insert(
+                name.clone(),
+                Entry {
+                    shard,
+                    dtype,
+                    shape: info.shape.clone(),
+                    start: base + s,
+                    len: e - s,
+                },
+            );
         }
         for (name, entry) in tensors {
             if self.entries.contains_key(&name) {
-                bail!("tensor {name} appears in more than one shard (second: {})", path.display());
+                bail!(
+                    "tensor {name} appears in more than one shard (second: {})",
+                    path.display()
+                );
             }
             self.entries.insert(name, entry);
         }
-        self.shards.push((path.to_path_buf(), Arc::new(MappedFile(map))));
+        self.shards
+            .push((path.to_path_buf(), Arc::new(MappedFile(map))));
         Ok(())
     }
 
@@ -190,8 +213,15 @@ impl SafetensorStore {
     /// The tensor called `name`, borrowed from its memory map.
     pub fn get(&self, name: &str) -> Result<HostTensor> {
         let e = self.entries.get(name).with_context(|| {
-            let files: Vec<String> = self.shards.iter().map(|(p, _)| p.display().to_string()).collect();
-            format!("tensor {name} is missing from the checkpoint ({})", files.join(", "))
+            let files: Vec<String> = self
+                .shards
+                .iter()
+                .map(|(p, _)| p.display().to_string())
+                .collect();
+            format!(
+                "tensor {name} is missing from the checkpoint ({})",
+                files.join(", ")
+            )
         })?;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[e.shard].1.clone();
         Ok(HostTensor {
@@ -204,7 +234,9 @@ impl SafetensorStore {
 
     /// The shard file a tensor comes from (for error messages).
     pub fn file_of(&self, name: &str) -> Option<&Path> {
-        self.entries.get(name).map(|e| self.shards[e.shard].0.as_path())
+        self.entries
+            .get(name)
+            .map(|e| self.shards[e.shard].0.as_path())
     }
 }
 
@@ -232,6 +264,7 @@ pub fn write_safetensors(path: &Path, tensors: &[HostTensor]) -> Result<()> {
     let tmp = path.with_extension("safetensors.partial");
     safetensors::serialize_to_file(views, None, &tmp)
         .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", path.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot move {} into place", path.display()))?;
     Ok(())
 }

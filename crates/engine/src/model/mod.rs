@@ -82,7 +82,10 @@ pub struct SequenceTable<S> {
 
 impl<S> Default for SequenceTable<S> {
     fn default() -> Self {
-        SequenceTable { next: 1, states: HashMap::new() }
+        SequenceTable {
+            next: 1,
+            states: HashMap::new(),
+        }
     }
 }
 
@@ -98,15 +101,23 @@ impl<S> SequenceTable<S> {
 /// Builds the model a checkpoint describes on the given backend.
 pub fn load<B: Backend>(backend: B, checkpoint: &Checkpoint) -> Result<Box<dyn CausalLm>> {
     match checkpoint.config.architecture {
-        Architecture::Qwen3_5Text => Ok(Box::new(qwen3_5_text::Qwen3_5Text::load(backend, checkpoint)?)),
-        Architecture::Qwen4ExpText => Ok(Box::new(qwen4_exp_text::Qwen4ExpText::load(backend, checkpoint)?)),
+        Architecture::Qwen3_5Text => Ok(Box::new(qwen3_5_text::Qwen3_5Text::load(
+            backend, checkpoint,
+        )?)),
+        Architecture::Qwen4ExpText => Ok(Box::new(qwen4_exp_text::Qwen4ExpText::load(
+            backend, checkpoint,
+        )?)),
     }
 }
 
 /// Checks that every id is inside the vocabulary.
 pub fn check_token_ids(config: &TextConfig, ids: &[u32]) -> Result<()> {
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= config.vocab_size) {
-        anyhow::bail!("token id {bad} is out of range: the vocabulary has {} ids (0..{})", config.vocab_size, config.vocab_size);
+        anyhow::bail!(
+            "token id {bad} is out of range: the vocabulary has {} ids (0..{})",
+            config.vocab_size,
+            config.vocab_size
+        );
     }
     Ok(())
 }

@@ -61,7 +61,10 @@ pub struct SeqState<B: Backend> {
 
 impl<B: Backend> Clone for SeqState<B> {
     fn clone(&self) -> Self {
-        SeqState { len: self.len, layers: self.layers.clone() }
+        SeqState {
+            len: self.len,
+            layers: self.layers.clone(),
+        }
     }
 }
 
@@ -84,18 +87,35 @@ impl<B: Backend> Qwen3_5Text<B> {
         let b = &backend;
         let prefix = text_prefix(ck);
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let embed_tokens = b.matrix(&tensor(ck, &format!("{prefix}embed_tokens.weight"), &[v, h])?)?;
+        let embed_tokens = b.matrix(&tensor(
+            ck,
+            &format!("{prefix}embed_tokens.weight"),
+            &[v, h],
+        )?)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, kind) in c.layer_types.iter().enumerate() {
             let p = format!("{prefix}layers.{i}.");
             let mixer = match kind {
-                LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::load(b, ck, &format!("{p}linear_attn."), &c, GateActivation::Silu)?),
-                LayerType::FullAttention => Mixer::Full(Attention::load(b, ck, &format!("{p}self_attn."), &c, None)?),
+                LayerType::LinearAttention => Mixer::Linear(GatedDeltaNet::load(
+                    b,
+                    ck,
+                    &format!("{p}linear_attn."),
+                    &c,
+                    GateActivation::Silu,
+                )?),
+                LayerType::FullAttention => {
+                    Mixer::Full(Attention::load(b, ck, &format!("{p}self_attn."), &c, None)?)
+                }
             };
             layers.push(DecoderLayer {
                 input_layernorm: vector(b, ck, &format!("{p}input_layernorm.weight"), h)?,
                 mixer,
-                post_attention_layernorm: vector(b, ck, &format!("{p}post_attention_layernorm.weight"), h)?,
+                post_attention_layernorm: vector(
+                    b,
+                    ck,
+                    &format!("{p}post_attention_layernorm.weight"),
+                    h,
+                )?,
                 mlp: Mlp::load(b, ck, &format!("{p}mlp."), h, c.intermediate_size)?,
             });
         }
@@ -105,11 +125,14 @@ impl<B: Backend> Qwen3_5Text<B> {
         } else if c.tie_word_embeddings {
             None
         } else {
-            bail!("tensor lm_head.weight is missing and tie_word_embeddings is false in config.json");
+            bail!(
+                "tensor lm_head.weight is missing and tie_word_embeddings is false in config.json"
+            );
         };
         let rot = c.rotary_dim();
-        let inv_freq =
-            (0..rot / 2).map(|i| (1.0 / c.rope.theta.powf((2 * i) as f64 / rot as f64)) as f32).collect();
+        let inv_freq = (0..rot / 2)
+            .map(|i| (1.0 / c.rope.theta.powf((2 * i) as f64 / rot as f64)) as f32)
+            .collect();
         let parameters = ck
             .weights
             .names()
@@ -165,7 +188,10 @@ impl<B: Backend> Qwen3_5Text<B> {
     fn check_batch(&self, batch: &[BatchItem<'_>]) -> Result<()> {
         for (i, item) in batch.iter().enumerate() {
             let Some(state) = self.sequences.states.get(&item.seq) else {
-                bail!("sequence {:?} does not exist (it was dropped or never created)", item.seq);
+                bail!(
+                    "sequence {:?} does not exist (it was dropped or never created)",
+                    item.seq
+                );
             };
             if batch[..i].iter().any(|o| o.seq == item.seq) {
                 bail!("sequence {:?} appears twice in one batch", item.seq);
@@ -176,7 +202,10 @@ impl<B: Backend> Qwen3_5Text<B> {
             super::check_token_ids(&self.config, item.tokens)?;
             let total = state.len + item.tokens.len();
             if total > self.info.max_context {
-                bail!("sequence would hold {total} tokens; the model's context is {} tokens", self.info.max_context);
+                bail!(
+                    "sequence would hold {total} tokens; the model's context is {} tokens",
+                    self.info.max_context
+                );
             }
         }
         Ok(())
@@ -208,13 +237,24 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
         }
         let b = &self.backend;
         // Take the batch's states out of the table for the duration of the pass.
-        let mut states: Vec<SeqState<B>> =
-            batch.iter().map(|it| self.sequences.states.remove(&it.seq).expect("checked above")).collect();
+        let mut states: Vec<SeqState<B>> = batch
+            .iter()
+            .map(|it| {
+                self.sequences
+                    .states
+                    .remove(&it.seq)
+                    .expect("checked above")
+            })
+            .collect();
         let mut spans = Vec::with_capacity(batch.len());
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         for (item, st) in batch.iter().zip(&states) {
-            spans.push(Span { start: ids.len(), len: item.tokens.len(), past: st.len });
+            spans.push(Span {
+                start: ids.len(),
+                len: item.tokens.len(),
+                past: st.len,
+            });
             ids.extend_from_slice(item.tokens);
             positions.extend(st.len..st.len + item.tokens.len());
         }
@@ -232,7 +272,9 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                         .iter_mut()
                         .map(|s| match &mut s.layers[li] {
                             LayerState::Linear(l) => l,
-                            LayerState::Attention(_) => unreachable!("layer state kinds follow the layer types"),
+                            LayerState::Attention(_) => {
+                                unreachable!("layer state kinds follow the layer types")
+                            }
                         })
                         .collect();
                     gdn.forward(b, &h, &spans, &mut layer_states)
@@ -242,14 +284,22 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                         .iter_mut()
                         .map(|s| match &mut s.layers[li] {
                             LayerState::Attention(a) => a,
-                            LayerState::Linear(_) => unreachable!("layer state kinds follow the layer types"),
+                            LayerState::Linear(_) => {
+                                unreachable!("layer state kinds follow the layer types")
+                            }
                         })
                         .collect();
                     attn.forward(b, &h, &positions, &self.inv_freq, &spans, &mut layer_states)
                 }
             };
             b.add_assign(&mut x, &mixed);
-            let h = b.rms_norm(&x, &layer.post_attention_layernorm, eps, NormScale::OnePlus, hsz);
+            let h = b.rms_norm(
+                &x,
+                &layer.post_attention_layernorm,
+                eps,
+                NormScale::OnePlus,
+                hsz,
+            );
             let m = layer.mlp.forward(b, &h);
             b.add_assign(&mut x, &m);
         }
@@ -258,14 +308,22 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
         for (item, span) in batch.iter().zip(&spans) {
             match item.logits {
                 LogitsWanted::None => {}
-                LogitsWanted::Last => wanted.push(b.rows(&x, span.start + span.len - 1..span.start + span.len)),
+                LogitsWanted::Last => {
+                    wanted.push(b.rows(&x, span.start + span.len - 1..span.start + span.len))
+                }
                 LogitsWanted::All => wanted.push(b.rows(&x, span.rows())),
             }
         }
         let logits = if wanted.is_empty() {
             vec![]
         } else {
-            let hidden = b.rms_norm(&b.cat_rows(&wanted), &self.norm, eps, NormScale::OnePlus, hsz);
+            let hidden = b.rms_norm(
+                &b.cat_rows(&wanted),
+                &self.norm,
+                eps,
+                NormScale::OnePlus,
+                hsz,
+            );
             b.to_host(&b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
         };
         // 4. hand states back, split logits per item
@@ -287,7 +345,11 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {
-        let st = self.sequences.states.get(&seq).with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let st = self
+            .sequences
+            .states
+            .get(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
         let b = &self.backend;
         let bytes = st
             .layers
@@ -297,7 +359,11 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                 LayerState::Linear(l) => l.bytes(b),
             })
             .sum();
-        Ok(StateSnapshot { len: st.len, data: Box::new(st.clone()), bytes })
+        Ok(StateSnapshot {
+            len: st.len,
+            data: Box::new(st.clone()),
+            bytes,
+        })
     }
 
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()> {
@@ -305,7 +371,11 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             .data
             .downcast_ref::<SeqState<B>>()
             .context("snapshot was taken from a different model or backend")?;
-        let slot = self.sequences.states.get_mut(&seq).with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let slot = self
+            .sequences
+            .states
+            .get_mut(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
         *slot = st.clone();
         Ok(())
     }

@@ -6,13 +6,25 @@ use crate::backend::AttentionShape;
 use rayon::prelude::*;
 
 /// `q [n, heads·d]`, `k`/`v` `[past+n, kv_heads·d]` → `[n, heads·d]`.
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], n: usize, past: usize, s: AttentionShape) -> Vec<f32> {
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    past: usize,
+    s: AttentionShape,
+) -> Vec<f32> {
     let d = s.head_dim;
     let qd = s.num_heads * d;
     let kvd = s.num_kv_heads * d;
     let group = s.num_heads / s.num_kv_heads;
     let total = past + n;
-    assert_eq!(k.len(), total * kvd, "attention: cache has {} rows, expected {total}", k.len() / kvd.max(1));
+    assert_eq!(
+        k.len(),
+        total * kvd,
+        "attention: cache has {} rows, expected {total}",
+        k.len() / kvd.max(1)
+    );
     let heads: Vec<Vec<f32>> = (0..s.num_heads)
         .into_par_iter()
         .map(|h| {

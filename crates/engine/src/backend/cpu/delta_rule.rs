@@ -39,11 +39,20 @@ pub fn gated_delta_rule(
         .enumerate()
         .map(|(h, sh)| {
             let kh = h / ratio;
-            let qs: Vec<Vec<f32>> =
-                (0..n).map(|t| l2_normalised(&q[t * nk * dk + kh * dk..t * nk * dk + (kh + 1) * dk], scale)).collect();
-            let ks: Vec<Vec<f32>> =
-                (0..n).map(|t| l2_normalised(&k[t * nk * dk + kh * dk..t * nk * dk + (kh + 1) * dk], 1.0)).collect();
-            let vs: Vec<&[f32]> = (0..n).map(|t| &v[t * nv * dv + h * dv..t * nv * dv + (h + 1) * dv]).collect();
+            let qs: Vec<Vec<f32>> = (0..n)
+                .map(|t| {
+                    l2_normalised(
+                        &q[t * nk * dk + kh * dk..t * nk * dk + (kh + 1) * dk],
+                        scale,
+                    )
+                })
+                .collect();
+            let ks: Vec<Vec<f32>> = (0..n)
+                .map(|t| l2_normalised(&k[t * nk * dk + kh * dk..t * nk * dk + (kh + 1) * dk], 1.0))
+                .collect();
+            let vs: Vec<&[f32]> = (0..n)
+                .map(|t| &v[t * nv * dv + h * dv..t * nv * dv + (h + 1) * dv])
+                .collect();
             let gs: Vec<f32> = (0..n).map(|t| g[t * nv + h]).collect();
             let bs: Vec<f32> = (0..n).map(|t| beta[t * nv + h]).collect();
             match mode {
@@ -55,7 +64,8 @@ pub fn gated_delta_rule(
     let mut out = vec![0f32; n * nv * dv];
     for (h, o) in outs.iter().enumerate() {
         for t in 0..n {
-            out[t * nv * dv + h * dv..t * nv * dv + (h + 1) * dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
+            out[t * nv * dv + h * dv..t * nv * dv + (h + 1) * dv]
+                .copy_from_slice(&o[t * dv..(t + 1) * dv]);
         }
     }
     out
@@ -70,7 +80,16 @@ fn vec_times_state(x: &[f32], state: &[f32], dv: usize, out: &mut [f32]) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn recurrent(qs: &[Vec<f32>], ks: &[Vec<f32>], vs: &[&[f32]], gs: &[f32], bs: &[f32], st: &mut [f32], dk: usize, dv: usize) -> Vec<f32> {
+fn recurrent(
+    qs: &[Vec<f32>],
+    ks: &[Vec<f32>],
+    vs: &[&[f32]],
+    gs: &[f32],
+    bs: &[f32],
+    st: &mut [f32],
+    dk: usize,
+    dv: usize,
+) -> Vec<f32> {
     let n = qs.len();
     let mut out = vec![0f32; n * dv];
     let mut kv_mem = vec![0f32; dv];
@@ -91,7 +110,16 @@ fn recurrent(qs: &[Vec<f32>], ks: &[Vec<f32>], vs: &[&[f32]], gs: &[f32], bs: &[
 }
 
 #[allow(clippy::too_many_arguments)]
-fn chunked(qs: &[Vec<f32>], ks: &[Vec<f32>], vs: &[&[f32]], gs: &[f32], bs: &[f32], st: &mut [f32], dk: usize, dv: usize) -> Vec<f32> {
+fn chunked(
+    qs: &[Vec<f32>],
+    ks: &[Vec<f32>],
+    vs: &[&[f32]],
+    gs: &[f32],
+    bs: &[f32],
+    st: &mut [f32],
+    dk: usize,
+    dv: usize,
+) -> Vec<f32> {
     let n = qs.len();
     let mut out = vec![0f32; n * dv];
     let mut tmp = vec![0f32; dv];
@@ -152,7 +180,11 @@ fn chunked(qs: &[Vec<f32>], ks: &[Vec<f32>], vs: &[&[f32]], gs: &[f32], bs: &[f3
         for j in 0..l {
             let dj = (last - cum[j]).exp();
             for a in 0..dk {
-                simd::axpy(ks[c0 + j][a] * dj, &v_new[j * dv..(j + 1) * dv], &mut st[a * dv..(a + 1) * dv]);
+                simd::axpy(
+                    ks[c0 + j][a] * dj,
+                    &v_new[j * dv..(j + 1) * dv],
+                    &mut st[a * dv..(a + 1) * dv],
+                );
             }
         }
     }
@@ -177,7 +209,12 @@ mod tests {
 
     #[test]
     fn chunked_equals_recurrent_across_chunk_boundaries_and_with_initial_state() {
-        let shape = DeltaRuleShape { num_k_heads: 2, num_v_heads: 4, k_head_dim: 8, v_head_dim: 6 };
+        let shape = DeltaRuleShape {
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_head_dim: 8,
+            v_head_dim: 6,
+        };
         for n in [1, 5, 64, 65, 130] {
             let q = rnd(n * 16, 1);
             let k = rnd(n * 16, 2);
@@ -187,8 +224,28 @@ mod tests {
             let init = rnd(4 * 8 * 6, 6);
             let mut s1 = init.clone();
             let mut s2 = init.clone();
-            let o1 = gated_delta_rule(&q, &k, &v, &g, &beta, &mut s1, n, shape, DeltaRuleMode::Recurrent);
-            let o2 = gated_delta_rule(&q, &k, &v, &g, &beta, &mut s2, n, shape, DeltaRuleMode::Chunked);
+            let o1 = gated_delta_rule(
+                &q,
+                &k,
+                &v,
+                &g,
+                &beta,
+                &mut s1,
+                n,
+                shape,
+                DeltaRuleMode::Recurrent,
+            );
+            let o2 = gated_delta_rule(
+                &q,
+                &k,
+                &v,
+                &g,
+                &beta,
+                &mut s2,
+                n,
+                shape,
+                DeltaRuleMode::Chunked,
+            );
             for (a, b) in o1.iter().zip(&o2) {
                 assert!((a - b).abs() < 1e-4, "n={n}: out {a} vs {b}");
             }

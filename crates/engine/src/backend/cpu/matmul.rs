@@ -27,7 +27,11 @@ pub struct CpuMatrix {
 impl CpuMatrix {
     pub fn from_host(t: &HostTensor) -> Result<Self> {
         if t.shape.len() != 2 {
-            bail!("tensor {} has shape {:?}; expected a 2-D matrix", t.name, t.shape);
+            bail!(
+                "tensor {} has shape {:?}; expected a 2-D matrix",
+                t.name,
+                t.shape
+            );
         }
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let bytes = t.data.clone();
@@ -47,14 +51,25 @@ impl CpuMatrix {
                     Storage::F16(owned)
                 }
             }
-            other => bail!("tensor {} has dtype {other}; the CPU backend takes F32, F16 or BF16 matrices", t.name),
+            other => bail!(
+                "tensor {} has dtype {other}; the CPU backend takes F32, F16 or BF16 matrices",
+                t.name
+            ),
         };
-        Ok(CpuMatrix { rows, cols, storage })
+        Ok(CpuMatrix {
+            rows,
+            cols,
+            storage,
+        })
     }
 
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Self {
         assert_eq!(rows * cols, data.len());
-        CpuMatrix { rows, cols, storage: Storage::F32(data) }
+        CpuMatrix {
+            rows,
+            cols,
+            storage: Storage::F32(data),
+        }
     }
 
     pub fn bytes(&self) -> usize {
@@ -85,7 +100,10 @@ impl CpuMatrix {
         let s = b.as_slice();
         // SAFETY: 2-byte alignment checked (or the buffer is a fresh Vec<u8>, which the
         // allocator aligns to at least 8 bytes); length is a multiple of 2.
-        Some((unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u16, s.len() / 2) }, is_bf16))
+        Some((
+            unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u16, s.len() / 2) },
+            is_bf16,
+        ))
     }
 
     /// Row `r` as f32 into `out`.
@@ -121,7 +139,12 @@ unsafe impl Sync for OutPtr {}
 pub fn linear(x: &[f32], n: usize, w: &CpuMatrix) -> Vec<f32> {
     let k = w.cols;
     let m = w.rows;
-    assert_eq!(x.len(), n * k, "linear: input has {} values, expected {n}×{k}", x.len());
+    assert_eq!(
+        x.len(),
+        n * k,
+        "linear: input has {} values, expected {n}×{k}",
+        x.len()
+    );
     let mut y = vec![0f32; n * m];
     if n == 0 || m == 0 {
         return y;
@@ -170,7 +193,11 @@ pub fn linear_reference(x: &[f32], n: usize, w: &CpuMatrix) -> Vec<f32> {
     for j in 0..m {
         w.row_f32(j, &mut row);
         for i in 0..n {
-            y[i * m + j] = x[i * k..(i + 1) * k].iter().zip(&row).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+            y[i * m + j] = x[i * k..(i + 1) * k]
+                .iter()
+                .zip(&row)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum::<f64>() as f32;
         }
     }
     y
@@ -195,7 +222,13 @@ mod tests {
 
     #[test]
     fn linear_matches_reference_for_f32_and_bf16_weights() {
-        for &(n, m, k) in &[(1, 1, 1), (1, 37, 65), (3, 16, 8), (70, 33, 129), (5, 100, 512)] {
+        for &(n, m, k) in &[
+            (1, 1, 1),
+            (1, 37, 65),
+            (3, 16, 8),
+            (70, 33, 129),
+            (5, 100, 512),
+        ] {
             let x = rand_vec(n * k, 1);
             let wv = rand_vec(m * k, 2);
             let w = CpuMatrix::from_f32(m, k, wv.clone());
@@ -204,8 +237,16 @@ mod tests {
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "f32 {n}x{m}x{k}: {a} vs {b}");
             }
-            let bytes: Vec<u8> = wv.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect();
-            let t = HostTensor { name: "w".into(), dtype: DType::BF16, shape: vec![m, k], data: Bytes::from_vec(bytes) };
+            let bytes: Vec<u8> = wv
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect();
+            let t = HostTensor {
+                name: "w".into(),
+                dtype: DType::BF16,
+                shape: vec![m, k],
+                data: Bytes::from_vec(bytes),
+            };
             let wb = CpuMatrix::from_host(&t).unwrap();
             let got = linear(&x, n, &wb);
             let want = linear_reference(&x, n, &wb);

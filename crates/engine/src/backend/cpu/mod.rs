@@ -15,7 +15,10 @@ pub mod qsa;
 pub mod roofline;
 pub mod simd;
 
-use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, ExpertMatrices, MoeRouting, NormScale, QsaShape};
+use super::{
+    AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, ExpertMatrices, MoeRouting, NormScale,
+    QsaShape,
+};
 use crate::tensor::HostTensor;
 use anyhow::Result;
 pub use matmul::CpuMatrix;
@@ -52,7 +55,11 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
 
     fn name(&self) -> String {
-        format!("cpu ({}, {} threads)", simd::isa().name(), rayon::current_num_threads())
+        format!(
+            "cpu ({}, {} threads)",
+            simd::isa().name(),
+            rayon::current_num_threads()
+        )
     }
 
     fn matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
@@ -76,7 +83,11 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, x: &CpuTensor, r: Range<usize>) -> CpuTensor {
-        CpuTensor::new(r.len(), x.cols, x.data[r.start * x.cols..r.end * x.cols].to_vec())
+        CpuTensor::new(
+            r.len(),
+            x.cols,
+            x.data[r.start * x.cols..r.end * x.cols].to_vec(),
+        )
     }
     fn cols(&self, x: &CpuTensor, c: Range<usize>) -> CpuTensor {
         let mut data = Vec::with_capacity(x.rows * c.len());
@@ -115,34 +126,77 @@ impl Backend for CpuBackend {
         CpuTensor::new(ids.len(), h, data)
     }
     fn linear(&self, x: &CpuTensor, w: &CpuMatrix) -> CpuTensor {
-        assert_eq!(x.cols, w.cols, "linear: input has {} columns, weight expects {}", x.cols, w.cols);
+        assert_eq!(
+            x.cols, w.cols,
+            "linear: input has {} columns, weight expects {}",
+            x.cols, w.cols
+        );
         CpuTensor::new(x.rows, w.rows, matmul::linear(&x.data, x.rows, w))
     }
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
         assert_eq!(x.data.len(), y.data.len());
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
     }
-    fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, scale: NormScale, group: usize) -> CpuTensor {
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        w: &Vec<f32>,
+        eps: f32,
+        scale: NormScale,
+        group: usize,
+    ) -> CpuTensor {
         assert_eq!(w.len(), group);
         assert_eq!(x.cols % group, 0);
-        CpuTensor::new(x.rows, x.cols, ops::rms_norm(&x.data, w, eps, scale == NormScale::OnePlus))
+        CpuTensor::new(
+            x.rows,
+            x.cols,
+            ops::rms_norm(&x.data, w, eps, scale == NormScale::OnePlus),
+        )
     }
-    fn rms_norm_gated(&self, x: &CpuTensor, gate: &CpuTensor, w: &Vec<f32>, eps: f32, group: usize) -> CpuTensor {
+    fn rms_norm_gated(
+        &self,
+        x: &CpuTensor,
+        gate: &CpuTensor,
+        w: &Vec<f32>,
+        eps: f32,
+        group: usize,
+    ) -> CpuTensor {
         assert_eq!(w.len(), group);
         assert_eq!(x.data.len(), gate.data.len());
-        CpuTensor::new(x.rows, x.cols, ops::rms_norm_gated(&x.data, &gate.data, w, eps))
+        CpuTensor::new(
+            x.rows,
+            x.cols,
+            ops::rms_norm_gated(&x.data, &gate.data, w, eps),
+        )
     }
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
         assert_eq!(gate.data.len(), up.data.len());
-        let data = gate.data.iter().zip(&up.data).map(|(g, u)| ops::silu(*g) * u).collect();
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(g, u)| ops::silu(*g) * u)
+            .collect();
         CpuTensor::new(gate.rows, gate.cols, data)
     }
     fn sigmoid_gate(&self, x: &CpuTensor, gate: &CpuTensor) -> CpuTensor {
         assert_eq!(x.data.len(), gate.data.len());
-        let data = x.data.iter().zip(&gate.data).map(|(v, g)| v * ops::sigmoid(*g)).collect();
+        let data = x
+            .data
+            .iter()
+            .zip(&gate.data)
+            .map(|(v, g)| v * ops::sigmoid(*g))
+            .collect();
         CpuTensor::new(x.rows, x.cols, data)
     }
-    fn rope(&self, x: &mut CpuTensor, positions: &[usize], head_dim: usize, rotary_dim: usize, inv_freq: &[f32]) {
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        inv_freq: &[f32],
+    ) {
         assert_eq!(positions.len(), x.rows);
         let cols = x.cols;
         for (row, &p) in x.data.chunks_exact_mut(cols).zip(positions) {
@@ -150,11 +204,23 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, past: usize, shape: AttentionShape) -> CpuTensor {
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        past: usize,
+        shape: AttentionShape,
+    ) -> CpuTensor {
         let out = attention::attention(&q.data, &k.data, &v.data, q.rows, past, shape);
         CpuTensor::new(q.rows, shape.num_heads * shape.head_dim, out)
     }
-    fn causal_conv1d_silu(&self, x: &CpuTensor, state: &mut CpuTensor, weight: &CpuMatrix) -> CpuTensor {
+    fn causal_conv1d_silu(
+        &self,
+        x: &CpuTensor,
+        state: &mut CpuTensor,
+        weight: &CpuMatrix,
+    ) -> CpuTensor {
         let (channels, taps) = (weight.rows, weight.cols);
         assert_eq!(x.cols, channels);
         assert_eq!(state.data.len(), (taps - 1) * channels);
@@ -165,7 +231,13 @@ impl Backend for CpuBackend {
         let out = ops::causal_conv1d_silu(&x.data, x.rows, channels, &mut state.data, &w, taps);
         CpuTensor::new(x.rows, channels, out)
     }
-    fn delta_rule_gates(&self, a: &CpuTensor, b: &CpuTensor, a_log: &Vec<f32>, dt_bias: &Vec<f32>) -> (CpuTensor, CpuTensor) {
+    fn delta_rule_gates(
+        &self,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+    ) -> (CpuTensor, CpuTensor) {
         let h = a_log.len();
         assert_eq!(a.cols, h);
         let mut g = vec![0f32; a.data.len()];
@@ -176,7 +248,10 @@ impl Backend for CpuBackend {
         for (bv, x) in beta.iter_mut().zip(&b.data) {
             *bv = ops::sigmoid(*x);
         }
-        (CpuTensor::new(a.rows, h, g), CpuTensor::new(b.rows, h, beta))
+        (
+            CpuTensor::new(a.rows, h, g),
+            CpuTensor::new(b.rows, h, beta),
+        )
     }
     fn gated_delta_rule(
         &self,
@@ -190,13 +265,29 @@ impl Backend for CpuBackend {
         mode: DeltaRuleMode,
     ) -> CpuTensor {
         let n = q.rows;
-        let out = delta_rule::gated_delta_rule(&q.data, &k.data, &v.data, &g.data, &beta.data, &mut state.data, n, shape, mode);
+        let out = delta_rule::gated_delta_rule(
+            &q.data,
+            &k.data,
+            &v.data,
+            &g.data,
+            &beta.data,
+            &mut state.data,
+            n,
+            shape,
+            mode,
+        );
         CpuTensor::new(n, shape.num_v_heads * shape.v_head_dim, out)
     }
 
     // Flash-Next ops: the same functions as the trait's defaults, without the host copies.
     fn scale_cols(&self, x: &CpuTensor, scale: &CpuTensor) -> CpuTensor {
-        assert_eq!(scale.data.len(), x.cols, "scale_cols: {} scales for {} columns", scale.data.len(), x.cols);
+        assert_eq!(
+            scale.data.len(),
+            x.cols,
+            "scale_cols: {} scales for {} columns",
+            scale.data.len(),
+            x.cols
+        );
         CpuTensor::new(x.rows, x.cols, hyper::scale_cols(&x.data, &scale.data))
     }
     fn silu_scaled(&self, x: &CpuTensor, scale: f32) -> CpuTensor {
@@ -204,19 +295,50 @@ impl Backend for CpuBackend {
     }
     fn hc_mix(&self, normed: &CpuTensor, mix_logits: &CpuTensor, streams: usize) -> CpuTensor {
         let h = normed.cols / streams;
-        CpuTensor::new(normed.rows, h, hyper::hc_mix(&normed.data, &mix_logits.data, normed.rows, h, streams))
+        CpuTensor::new(
+            normed.rows,
+            h,
+            hyper::hc_mix(&normed.data, &mix_logits.data, normed.rows, h, streams),
+        )
     }
-    fn hc_inject(&self, residual: &CpuTensor, out: &CpuTensor, inject_logits: &CpuTensor, streams: usize) -> CpuTensor {
+    fn hc_inject(
+        &self,
+        residual: &CpuTensor,
+        out: &CpuTensor,
+        inject_logits: &CpuTensor,
+        streams: usize,
+    ) -> CpuTensor {
         let h = residual.cols / streams;
-        let data = hyper::hc_inject(&residual.data, &out.data, &inject_logits.data, residual.rows, h, streams);
+        let data = hyper::hc_inject(
+            &residual.data,
+            &out.data,
+            &inject_logits.data,
+            residual.rows,
+            h,
+            streams,
+        );
         CpuTensor::new(residual.rows, residual.cols, data)
     }
-    fn ple_gate(&self, key: &CpuTensor, query: &CpuTensor, value: &CpuTensor, streams: usize) -> CpuTensor {
+    fn ple_gate(
+        &self,
+        key: &CpuTensor,
+        query: &CpuTensor,
+        value: &CpuTensor,
+        streams: usize,
+    ) -> CpuTensor {
         let h = key.cols / streams;
-        CpuTensor::new(key.rows, key.cols, hyper::ple_gate(&key.data, &query.data, &value.data, key.rows, h, streams))
+        CpuTensor::new(
+            key.rows,
+            key.cols,
+            hyper::ple_gate(&key.data, &query.data, &value.data, key.rows, h, streams),
+        )
     }
     fn mean_pool_rows(&self, x: &CpuTensor, group: usize) -> CpuTensor {
-        CpuTensor::new(x.rows / group, x.cols, qsa::mean_pool_rows(&x.data, x.cols, group))
+        CpuTensor::new(
+            x.rows / group,
+            x.cols,
+            qsa::mean_pool_rows(&x.data, x.cols, group),
+        )
     }
     fn qsa_attention(
         &self,
@@ -229,14 +351,32 @@ impl Backend for CpuBackend {
         shape: AttentionShape,
         qsa_shape: QsaShape,
     ) -> CpuTensor {
-        let out =
-            qsa::qsa_attention(&q.data, &k.data, &v.data, &index_q.data, &block_keys.data, q.rows, past, shape, qsa_shape);
+        let out = qsa::qsa_attention(
+            &q.data,
+            &k.data,
+            &v.data,
+            &index_q.data,
+            &block_keys.data,
+            q.rows,
+            past,
+            shape,
+            qsa_shape,
+        );
         CpuTensor::new(q.rows, shape.num_heads * shape.head_dim, out)
     }
     fn moe_route(&self, logits: &CpuTensor, top_k: usize, normalize: bool) -> MoeRouting {
         moe::route(&logits.data, logits.cols, top_k, normalize)
     }
-    fn moe_experts(&self, x: &CpuTensor, routing: &MoeRouting, experts: &[ExpertMatrices<CpuMatrix>]) -> CpuTensor {
-        CpuTensor::new(x.rows, x.cols, moe::experts_forward(&x.data, x.cols, routing, experts))
+    fn moe_experts(
+        &self,
+        x: &CpuTensor,
+        routing: &MoeRouting,
+        experts: &[ExpertMatrices<CpuMatrix>],
+    ) -> CpuTensor {
+        CpuTensor::new(
+            x.rows,
+            x.cols,
+            moe::experts_forward(&x.data, x.cols, routing, experts),
+        )
     }
 }

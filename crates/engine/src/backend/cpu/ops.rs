@@ -69,7 +69,14 @@ pub fn rope_row(row: &mut [f32], pos: usize, head_dim: usize, rotary_dim: usize,
 
 /// Depthwise causal conv + SiLU over `n` rows of `channels`, kernel `k` taps per channel
 /// (`weight[c·k + j]`, tap `k-1` on the current input); `state` holds the `k-1` previous rows.
-pub fn causal_conv1d_silu(x: &[f32], n: usize, channels: usize, state: &mut [f32], weight: &[f32], k: usize) -> Vec<f32> {
+pub fn causal_conv1d_silu(
+    x: &[f32],
+    n: usize,
+    channels: usize,
+    state: &mut [f32],
+    weight: &[f32],
+    k: usize,
+) -> Vec<f32> {
     let hist = k - 1;
     // Window of previous inputs followed by the new ones.
     let mut window = Vec::with_capacity((hist + n) * channels);

@@ -14,7 +14,10 @@ pub fn measure_read_bandwidth(bytes: usize, passes: usize) -> f64 {
     let mut best = f64::MAX;
     for _ in 0..passes.max(1) {
         let t = Instant::now();
-        let sum: u64 = buf.par_chunks(chunk).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).sum();
+        let sum: u64 = buf
+            .par_chunks(chunk)
+            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+            .sum();
         std::hint::black_box(sum);
         best = best.min(t.elapsed().as_secs_f64());
     }

@@ -48,7 +48,10 @@ impl Isa {
             {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Isa::Avx2;
             }
         }
@@ -94,9 +97,21 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     let mut i = 0;
     while i + 32 <= n {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 16)), _mm256_loadu_ps(pb.add(i + 16)), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 24)), _mm256_loadu_ps(pb.add(i + 24)), acc3);
+        acc1 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + 8)),
+            _mm256_loadu_ps(pb.add(i + 8)),
+            acc1,
+        );
+        acc2 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + 16)),
+            _mm256_loadu_ps(pb.add(i + 16)),
+            acc2,
+        );
+        acc3 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + 24)),
+            _mm256_loadu_ps(pb.add(i + 24)),
+            acc3,
+        );
         i += 32;
     }
     while i + 8 <= n {
@@ -232,21 +247,32 @@ mod tests {
             let s = dot_scalar(&a, &b);
             let v = dot(&a, &b);
             let tol = 1e-5 * (n as f32).sqrt().max(1.0);
-            assert!((s as f64 - exact).abs() < tol as f64, "scalar n={n}: {s} vs {exact}");
+            assert!(
+                (s as f64 - exact).abs() < tol as f64,
+                "scalar n={n}: {s} vs {exact}"
+            );
             assert!((v - s).abs() < tol, "simd n={n}: {v} vs scalar {s}");
         }
     }
 
     #[test]
     fn half_conversions_match_scalar_reference_bit_for_bit() {
-        let bits: Vec<u16> = (0..1000u32).map(|i| (i.wrapping_mul(2654435761) >> 16) as u16).collect();
+        let bits: Vec<u16> = (0..1000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 16) as u16)
+            .collect();
         let mut a = vec![0f32; bits.len()];
         let mut b = vec![0f32; bits.len()];
         bf16_to_f32_scalar(&bits, &mut a);
         bf16_to_f32(&bits, &mut b);
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())));
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())));
         f16_to_f32_scalar(&bits, &mut a);
         f16_to_f32(&bits, &mut b);
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())));
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())));
     }
 }

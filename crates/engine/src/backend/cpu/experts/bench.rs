@@ -141,13 +141,13 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         hidden: p.hidden,
         intermediate: p.intermediate,
     };
-    let down_format = p
-        .down_format
-        .unwrap_or(if p.intermediate.is_multiple_of(p.format.block_len()) {
-            p.format
-        } else {
-            RowFormat::Ggml(crate::quant::GgmlType::Q2_0)
-        });
+    let down_format =
+        p.down_format
+            .unwrap_or(if p.intermediate.is_multiple_of(p.format.block_len()) {
+                p.format
+            } else {
+                RowFormat::Ggml(crate::quant::GgmlType::Q2_0)
+            });
     let layout = ExpertLayout::new(p.format, down_format, shape)?;
     let mut set = ExpertSet::zeroed(layout, p.experts);
     set.randomize(p.seed);

@@ -1,0 +1,206 @@
+//! `capy-flash bench`: benchmarks that report every figure as a ratio to a ceiling measured in
+//! the same run, and write a JSON record for `bench/results/`.
+
+use anyhow::{bail, Context, Result};
+use capy_engine::backend::cpu::{roofline, CpuBackend};
+use capy_engine::checkpoint::Checkpoint;
+use capy_engine::model::{self, BatchItem, LogitsWanted};
+use capy_engine::{demo, tensor::DType};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub kind: Kind,
+    /// Also write the JSON record to this file.
+    #[arg(long, global = true)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(clap::Subcommand)]
+pub enum Kind {
+    /// Whole-model prefill and decode on the CPU backend.
+    Cpu(CpuArgs),
+    /// Routed-expert kernels on a full-size Flash-Next expert set.
+    CpuExperts(super::bench_cpu_experts::BenchCpuExpertsArgs),
+    /// Whole-model decode and prefill on a GPU with synthetic full-size weights.
+    Gpu(super::bench_gpu::BenchGpuArgs),
+}
+
+#[derive(clap::Args)]
+pub struct CpuArgs {
+    /// Model folder or "demo"; conflicts with --synthetic.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub model: Option<String>,
+    /// A synthetic dense qwen3_5_text shape with random BF16 weights: "1b" (hidden 2048,
+    /// 16 layers, vocab 32768) or "HIDDEN,LAYERS,VOCAB".
+    #[arg(long)]
+    pub synthetic: Option<String>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_tokens: usize,
+    /// Decode steps timed after the prefill.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let record = match a.kind {
+        Kind::Cpu(c) => bench_cpu(c)?,
+        Kind::CpuExperts(c) => super::bench_cpu_experts::run(c)?,
+        Kind::Gpu(g) => super::bench_gpu::run(g)?,
+    };
+    let text = serde_json::to_string_pretty(&record)?;
+    println!("{text}");
+    if let Some(path) = a.out {
+        std::fs::write(&path, text + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The machine as benchmarks record it.
+pub fn machine() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("unknown")
+        .trim()
+        .to_string();
+    json!({
+        "cpu": model,
+        "logical_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "threads": rayon::current_num_threads(),
+        "isa": capy_engine::backend::cpu::simd::isa().name(),
+        "os": std::env::consts::OS,
+    })
+}
+
+/// The commit being measured: `CAPY_COMMIT`, else `git rev-parse HEAD`, else "unknown".
+pub fn commit() -> String {
+    std::env::var("CAPY_COMMIT").ok().unwrap_or_else(|| {
+        std::process::Command::new("git")
+            .args(["rev-parse", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| "unknown".into())
+    })
+}
+
+fn synthetic_dir(spec: &str) -> Result<PathBuf> {
+    let (h, l, v) = match spec {
+        "1b" => (2048, 16, 32768),
+        other => {
+            let parts: Vec<usize> = other
+                .split(',')
+                .map(|p| p.trim().parse())
+                .collect::<Result<_, _>>()
+                .with_context(|| {
+                    format!("--synthetic \"{other}\": expected \"1b\" or HIDDEN,LAYERS,VOCAB")
+                })?;
+            if parts.len() != 3 {
+                bail!("--synthetic \"{other}\": expected three numbers HIDDEN,LAYERS,VOCAB");
+            }
+            (parts[0], parts[1], parts[2])
+        }
+    };
+    let dir = demo::cache_dir()?.join(format!("synthetic-dense-{h}x{l}-v{v}-bf16"));
+    if !dir.join("model.safetensors").exists() {
+        eprintln!("generating synthetic checkpoint {} (once)…", dir.display());
+        let tmp = dir.with_extension("partial");
+        let _ = std::fs::remove_dir_all(&tmp);
+        demo::write_random_checkpoint(
+            &demo::synthetic_dense_config(h, l, v),
+            &tmp,
+            DType::BF16,
+            1,
+        )?;
+        std::fs::rename(&tmp, &dir)?;
+    }
+    Ok(dir)
+}
+
+fn bench_cpu(a: CpuArgs) -> Result<Value> {
+    let dir = match (&a.model, &a.synthetic) {
+        (Some(m), _) if demo::is_demo_name(m) => demo::ensure_demo_model(m)?,
+        (Some(m), _) => PathBuf::from(m),
+        (None, Some(s)) => synthetic_dir(s)?,
+        (None, None) => bail!("give --model DIR|demo or --synthetic 1b"),
+    };
+    if a.prompt_tokens == 0 || a.decode_tokens == 0 {
+        bail!("--prompt-tokens and --decode-tokens must be positive");
+    }
+    let ck = Checkpoint::open(&dir)?;
+    let mut lm = model::load(CpuBackend::new(), &ck)?;
+    let info = lm.info().clone();
+    let vocab = info.vocab_size as u32;
+    let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+
+    // Ceilings of this machine, measured now.
+    let bandwidth = roofline::measure_read_bandwidth(1 << 30, 3);
+    let fma_peak = roofline::measure_fma_peak();
+
+    // Prefill: one pass over the prompt.
+    let seq = lm.new_sequence();
+    let t = Instant::now();
+    let mut last = lm
+        .forward(&[BatchItem {
+            seq,
+            tokens: &prompt,
+            logits: LogitsWanted::Last,
+        }])?
+        .remove(0);
+    let prefill_s = t.elapsed().as_secs_f64();
+    // Decode: greedy steps after the prompt.
+    let t = Instant::now();
+    for _ in 0..a.decode_tokens {
+        let next = last
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |m, (i, &v)| if v > m.1 { (i, v) } else { m },
+            )
+            .0 as u32;
+        last = lm
+            .forward(&[BatchItem {
+                seq,
+                tokens: &[next],
+                logits: LogitsWanted::Last,
+            }])?
+            .remove(0);
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+
+    let prefill_tps = a.prompt_tokens as f64 / prefill_s;
+    let decode_tps = a.decode_tokens as f64 / decode_s;
+    // Every weight is read once per decode step; the embedding only by one row.
+    let embed_bytes = info.vocab_size * info.hidden_size * bytes_per_weight(&info);
+    let bytes_per_token = info.weight_bytes.saturating_sub(embed_bytes) as f64;
+    let flops_per_token = 2.0 * (info.parameters - info.vocab_size * info.hidden_size) as f64;
+    Ok(json!({
+        "bench": "cpu",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": commit(),
+        "machine": machine(),
+        "model": {"path": dir.display().to_string(), "parameters": info.parameters, "weight_bytes": info.weight_bytes, "backend": info.backend},
+        "ceilings": {"ram_read_bytes_per_s": bandwidth, "fma_flops_per_s": fma_peak},
+        "prefill": {"tokens": a.prompt_tokens, "seconds": prefill_s, "tokens_per_s": prefill_tps,
+                     "flops_ratio": prefill_tps * flops_per_token / fma_peak},
+        "decode": {"context": a.prompt_tokens, "tokens": a.decode_tokens, "seconds": decode_s, "tokens_per_s": decode_tps,
+                    "weight_bytes_per_token": bytes_per_token,
+                    "bandwidth_ratio": decode_tps * bytes_per_token / bandwidth},
+    }))
+}
+
+fn bytes_per_weight(info: &capy_engine::model::ModelInfo) -> usize {
+    (info.weight_bytes / info.parameters.max(1)).max(1)
+}
