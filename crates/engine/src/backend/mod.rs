@@ -92,6 +92,8 @@ pub trait Backend: Send + Sync + 'static {
     /// Uploads a 2-D float tensor `[out, in]`.
     fn matrix(&self, t: &HostTensor) -> Result<Self::Matrix>;
     fn vector(&self, values: &[f32]) -> Result<Self::Vector>;
+    // Takes `self` because the backend owns the device the activation is created on.
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Act;
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
     fn zeros(&self, rows: usize, cols: usize) -> Self::Act;

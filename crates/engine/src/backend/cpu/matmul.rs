@@ -35,7 +35,7 @@ impl CpuMatrix {
         }
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let bytes = t.data.clone();
-        let aligned = |align: usize| bytes.as_slice().as_ptr() as usize % align == 0;
+        let aligned = |align: usize| (bytes.as_slice().as_ptr() as usize).is_multiple_of(align);
         let storage = match t.dtype {
             DType::F32 if aligned(4) => Storage::F32Mapped(bytes),
             DType::F32 => Storage::F32(t.to_f32()?),
