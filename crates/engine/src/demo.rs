@@ -282,7 +282,8 @@ pub fn synthetic_dense_config(hidden: usize, layers: usize, vocab: usize) -> Val
         "hidden_size": hidden,
         "intermediate_size": hidden * 17 / 5 / 64 * 64,
         "num_hidden_layers": layers,
-        "num_attention_heads": hidden / 256 * 6 / 5,
+        // 24 heads at 5120 like the 27B; rounded to a multiple of the 2 KV heads.
+        "num_attention_heads": (hidden * 6 / 5 / 256).div_ceil(2).max(1) * 2,
         "num_key_value_heads": 2,
         "head_dim": 256,
         "linear_num_key_heads": hidden / 320,
@@ -333,7 +334,7 @@ mod tests {
 
     #[test]
     fn synthetic_config_is_valid() {
-        for (h, l) in [(1280, 8), (2560, 16), (5120, 64)] {
+        for (h, l) in [(1280, 8), (2048, 16), (2560, 16), (5120, 64)] {
             let c = TextConfig::from_value(&synthetic_dense_config(h, l, 4096)).unwrap();
             assert_eq!(c.num_hidden_layers, l);
         }
