@@ -92,6 +92,26 @@ pub trait Backend: Send + Sync + 'static {
     /// Uploads a 2-D float tensor `[out, in]`.
     fn matrix(&self, t: &HostTensor) -> Result<Self::Matrix>;
     fn vector(&self, values: &[f32]) -> Result<Self::Vector>;
+    /// Uploads a quantized matrix `[rows, cols]`: `blocks` holds each row's `format` blocks in
+    /// order (`rows · format.row_bytes(cols)` bytes) and every weight is scaled by `multiplier`
+    /// (a tensor-wide scale such as NVFP4's `weight_scale_2`; 1 when there is none). The default
+    /// dequantizes to f32 on the host and calls [`Backend::matrix`]; a backend that multiplies
+    /// quantized blocks directly keeps them as they are.
+    fn quant_matrix(
+        &self,
+        format: cpu::experts::format::RowFormat,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+        multiplier: f32,
+    ) -> Result<Self::Matrix> {
+        let values = dequantize_matrix(format, rows, cols, blocks, multiplier)?;
+        self.matrix(&HostTensor::from_f32(
+            &format!("{} matrix", format.name()),
+            vec![rows, cols],
+            &values,
+        ))
+    }
     // Takes `self` because the backend owns the device the activation is created on.
     #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Act;
@@ -352,5 +372,78 @@ pub trait Backend: Send + Sync + 'static {
             }
         }
         self.from_host(rows, hidden, &out)
+    }
+}
+
+/// Dequantizes a whole `[rows, cols]` matrix of `format` blocks to f32 (scaled by
+/// `multiplier`), checking the byte count first.
+pub fn dequantize_matrix(
+    format: cpu::experts::format::RowFormat,
+    rows: usize,
+    cols: usize,
+    blocks: &[u8],
+    multiplier: f32,
+) -> Result<Vec<f32>> {
+    let row_bytes = format.row_bytes(cols)?;
+    if blocks.len() != rows * row_bytes {
+        anyhow::bail!(
+            "{} matrix [{rows}, {cols}]: expected {} bytes ({row_bytes} per row), found {}",
+            format.name(),
+            rows * row_bytes,
+            blocks.len()
+        );
+    }
+    let mut values = vec![0f32; rows * cols];
+    for (out, src) in values
+        .chunks_exact_mut(cols)
+        .zip(blocks.chunks_exact(row_bytes))
+    {
+        cpu::experts::format::dequantize_row_scalar(format, src, out);
+        if multiplier != 1.0 {
+            out.iter_mut().for_each(|v| *v *= multiplier);
+        }
+    }
+    Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu::experts::format::RowFormat;
+    use super::cpu::experts::random_blocks;
+    use super::*;
+
+    #[test]
+    fn default_quant_matrix_multiplies_like_the_dequantized_matrix() {
+        let be = cpu::CpuBackend::new();
+        let (rows, cols) = (3, 256);
+        for fmt in [
+            RowFormat::Nvfp4,
+            RowFormat::Ggml(crate::quant::GgmlType::Q8_0),
+            RowFormat::Ggml(crate::quant::GgmlType::Iq3S),
+        ] {
+            let blocks = random_blocks(fmt, rows * cols / fmt.block_len(), 7);
+            let w = be.quant_matrix(fmt, rows, cols, &blocks, 0.5).unwrap();
+            let dense = dequantize_matrix(fmt, rows, cols, &blocks, 0.5).unwrap();
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let y = be.to_host(&be.linear(&be.from_host(1, cols, &x), &w));
+            for r in 0..rows {
+                let want: f32 = dense[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| a * b)
+                    .sum();
+                assert!(
+                    (y[r] - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "{}",
+                    fmt.name()
+                );
+            }
+        }
+        let err = be
+            .quant_matrix(RowFormat::Nvfp4, 2, 64, &[0u8; 10], 1.0)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("expected 72 bytes"), "{err}");
     }
 }

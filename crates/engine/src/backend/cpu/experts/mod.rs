@@ -249,6 +249,18 @@ impl SplitMix {
     }
 }
 
+/// `blocks` random valid blocks of `fmt` (as [`ExpertSet::randomize`] makes them), deterministic
+/// in `seed`: weights for tests and benchmarks of other backends.
+pub fn random_blocks(fmt: RowFormat, blocks: usize, seed: u64) -> Vec<u8> {
+    let mut rng = SplitMix(seed);
+    let mut data = vec![0u8; blocks * fmt.block_bytes()];
+    rng.fill(&mut data);
+    for b in data.chunks_exact_mut(fmt.block_bytes()) {
+        fix_block(fmt, b, &mut rng);
+    }
+    data
+}
+
 /// Makes one random block valid: finite scales of a sensible size, no NaN codes.
 fn fix_block(fmt: RowFormat, b: &mut [u8], rng: &mut SplitMix) {
     use crate::quant::GgmlType as G;
