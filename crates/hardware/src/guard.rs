@@ -1,11 +1,13 @@
 //! The startup guards: `serve` checks a configuration before loading anything, `download`
 //! checks disk space before fetching. Both refuse with the numbers.
 //!
-//! `serve` calls [`check_before_serve`] with the probed machine, the configuration id it is
-//! about to load (`None` for tiny/demo models, which are not in the configuration table and
-//! are never refused) and [`GuardEnv::from_process`]. `NINFER_RAM_GUARD=0` or
-//! `CAPY_RAM_GUARD=0` turns RAM shortfalls into warnings; missing GPUs and missing CPU features
-//! are always refused, because loading cannot succeed without them.
+//! `serve` calls [`check_before_serve`] with the probed machine (or the one
+//! [`machine_for_guard`] reads from `CAPY_FAKE_MACHINE`), the configuration id it is about to
+//! load ([`crate::model_folder::identify`]; `None` for demo/tiny/unknown models, which are
+//! not in the configuration table: only the CPU is checked for them) and
+//! [`GuardEnv::from_process`]. `NINFER_RAM_GUARD=0` or `CAPY_RAM_GUARD=0` turns RAM
+//! shortfalls into warnings; missing GPUs and a CPU without AVX2 + FMA + F16C are always
+//! refused, because loading cannot succeed without them.
 
 use crate::configurations::{self, Configuration};
 use crate::machine::{Disk, Machine};
@@ -58,6 +60,11 @@ pub enum Refusal {
         id: String,
         known: Vec<&'static str>,
     },
+    /// The CPU lacks the product's minimum ([`plan::MIN_CPU_FEATURES`]); no override exists.
+    CpuUnsupported {
+        cpu: String,
+        missing: Vec<&'static str>,
+    },
     DoesNotFit {
         id: &'static str,
         display_name: &'static str,
@@ -75,6 +82,13 @@ impl fmt::Display for Refusal {
                     known.join(", ")
                 )
             }
+            Refusal::CpuUnsupported { cpu, missing } => write!(
+                f,
+                "refusing to start: Capy Flash needs {} on the CPU; this CPU ({cpu}) lacks {}. \
+                 No override exists: the server's CPU code cannot run without them.",
+                plan::MIN_CPU_FEATURES,
+                missing.join(", ")
+            ),
             Refusal::DoesNotFit {
                 display_name,
                 reasons,
@@ -103,15 +117,16 @@ impl std::error::Error for Refusal {}
 
 /// Check `config_id` against `machine` before `serve` loads anything.
 ///
-/// `None` (a tiny or demo model outside the configuration table) passes with no warnings.
-/// On success the warnings are the planner's notes plus, when the RAM guard was overridden,
-/// what it would have refused.
+/// `None` (a tiny, demo or unknown model outside the configuration table) is checked only for
+/// the CPU ([`check_cpu`]) and otherwise passes with no warnings. On success the warnings are
+/// the planner's notes plus, when the RAM guard was overridden, what it would have refused.
 pub fn check_before_serve(
     machine: &Machine,
     config_id: Option<&str>,
     env: &GuardEnv,
 ) -> Result<Vec<Warning>, Refusal> {
     let Some(id) = config_id else {
+        check_cpu(machine)?;
         return Ok(Vec::new());
     };
     let config = find(id)?;
@@ -140,6 +155,45 @@ pub fn check_before_serve(
         .collect();
     warnings.extend(verdict.notes.into_iter().map(|message| Warning { message }));
     Ok(warnings)
+}
+
+/// The CPU check every model gets: AVX2 + FMA + F16C, refused outright without them.
+/// (For configurations of the table the planner makes the same check, with the configuration's
+/// name in the message.)
+pub fn check_cpu(machine: &Machine) -> Result<(), Refusal> {
+    let features = &machine.cpu.features;
+    if features.has_avx2_set() {
+        Ok(())
+    } else {
+        Err(Refusal::CpuUnsupported {
+            cpu: machine.cpu.model.clone(),
+            missing: features.missing_avx2_set(),
+        })
+    }
+}
+
+/// The environment variable that replaces the probed machine with one read from a JSON file
+/// (the `machine` object of `doctor --json`, or the whole output). For tests and what-if
+/// checks of the `serve` guard only: the engine still runs on the real machine.
+pub const FAKE_MACHINE_ENV: &str = "CAPY_FAKE_MACHINE";
+
+/// The machine the `serve` guard checks: the one in `$CAPY_FAKE_MACHINE` when set (with a
+/// warning to print), else [`crate::probe_at`]`(models_dir)`.
+pub fn machine_for_guard(models_dir: &Path) -> Result<(Machine, Option<Warning>), String> {
+    match std::env::var_os(FAKE_MACHINE_ENV).filter(|v| !v.is_empty()) {
+        Some(path) => {
+            let path = Path::new(&path);
+            let machine = crate::machine::read_machine_file(path)?;
+            let warning = Warning {
+                message: format!(
+                    "{FAKE_MACHINE_ENV}={}: checking the machine described there, not this one (for tests)",
+                    path.display()
+                ),
+            };
+            Ok((machine, Some(warning)))
+        }
+        None => Ok((crate::probe_at(models_dir), None)),
+    }
 }
 
 /// Why `download` will not start.

@@ -6,11 +6,13 @@
 //! - [`configurations::CONFIGURATIONS`] is the configuration table, the one place its numbers
 //!   live.
 //! - [`plan()`] is pure: a verdict per configuration and the recommendation.
+//! - [`model_folder::identify`] says which configuration a model folder is.
 //! - [`guard::check_before_serve`] and [`guard::check_disk`] refuse with the numbers.
 
 pub mod configurations;
 pub mod guard;
 pub mod machine;
+pub mod model_folder;
 pub mod plan;
 pub mod probe;
 

@@ -180,6 +180,22 @@ pub struct Disk {
     pub total_bytes: u64,
 }
 
+/// Read a machine from a JSON file: a bare [`Machine`] or a whole `doctor --json` output
+/// (its `machine` object).
+pub fn read_machine_file(path: &std::path::Path) -> Result<Machine, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read machine file {}: {e}", path.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("machine file {} is not JSON: {e}", path.display()))?;
+    let machine = value.get("machine").cloned().unwrap_or(value);
+    serde_json::from_value(machine).map_err(|e| {
+        format!(
+            "{} does not hold a machine as `capy-flash doctor --json` prints it: {e}",
+            path.display()
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,8 +9,9 @@
 //!   The `serve` guard lets `NINFER_RAM_GUARD=0` turn exactly these two into warnings.
 //! - CPU: a configuration with host experts (Flash-Next) needs AVX-512 (F, BW, VL, VNNI) or
 //!   AVX2 + FMA + F16C; without either it is refused, and no override exists, because the
-//!   expert kernels cannot run. The 27B runs entirely on the GPU and does not need them: a CPU
-//!   without AVX2 still runs it, with a note.
+//!   expert kernels cannot run. The 27B runs entirely on the GPU, but the product's minimum CPU
+//!   is AVX2 + FMA + F16C for every model ([`MIN_CPU_FEATURES`]): without them it is refused
+//!   too, with no override.
 //! - Page-locked memory below the need (WSL2, Windows) is a note: the rest of the experts stay
 //!   in pageable RAM, which gives the same tokens, more slowly.
 //! - Disk is checked for downloading only (a checkpoint already on disk needs no space), so it
@@ -19,6 +20,9 @@
 use crate::configurations::{Configuration, GpuNeed, CONFIGURATIONS, GB, GIB};
 use crate::machine::{ComputeCapability, CpuKernelPath, Disk, Gpu, Machine};
 use serde::Serialize;
+
+/// The CPU every model needs, in the table or not (`serve` refuses any other outright).
+pub const MIN_CPU_FEATURES: &str = "AVX2 + FMA + F16C";
 
 /// How the recommendation is chosen; shown by `doctor` and kept next to the code that does it.
 pub const RECOMMENDATION_RULE: &str = "the most capable configuration that fits: \
@@ -197,10 +201,22 @@ pub fn verdict(machine: &Machine, config: &'static Configuration) -> Verdict {
             "experts on the CPU use the AVX2 + FMA + F16C kernels: slower than with AVX-512 VNNI"
                 .to_string(),
         ),
-        (false, CpuKernelPath::None) => notes.push(format!(
-            "this CPU lacks {}; not needed here: {name} runs entirely on the GPU",
-            features.missing_avx2_set().join(", ")
-        )),
+        (false, _) if !features.has_avx2_set() => {
+            let missing = features.missing_avx2_set();
+            unmet.push(Unmet {
+                need: Need::CpuFeatures {
+                    needed: MIN_CPU_FEATURES,
+                    missing: missing.clone(),
+                },
+                overridable: false,
+                message: format!(
+                    "{name} runs on the GPU, but Capy Flash needs {MIN_CPU_FEATURES} on the CPU; \
+                     this CPU ({}) lacks {}",
+                    machine.cpu.model,
+                    missing.join(", ")
+                ),
+            });
+        }
         _ => {}
     }
 

@@ -162,10 +162,15 @@ fn missing_cpu_features_are_refused_even_with_the_override() {
             .ends_with("Run `capy-flash doctor` to see which configurations fit this machine."),
         "{err}"
     );
-    // The 27B runs entirely on the GPU: the same CPU is accepted, with a note.
-    let ok = check_before_serve(&m, Some("qwen3.8-27b-nvfp4"), &env(None, None)).unwrap();
-    assert_eq!(ok.len(), 1);
-    assert!(ok[0].message.contains("lacks F16C"), "{ok:?}");
+    // The 27B runs on the GPU, but the minimum CPU holds for every model.
+    let err = check_before_serve(&m, Some("qwen3.8-27b-nvfp4"), &env(Some("0"), None)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "refusing to load Qwen3.8-27B NVFP4 on this machine:\n  \
+         - Qwen3.8-27B NVFP4 runs on the GPU, but Capy Flash needs AVX2 + FMA + F16C on the CPU; \
+         this CPU (Test CPU) lacks F16C\n\
+         Run `capy-flash doctor` to see which configurations fit this machine."
+    );
 }
 
 #[test]
@@ -190,10 +195,34 @@ fn missing_gpus_are_not_overridable_but_ram_in_the_same_refusal_is() {
 }
 
 #[test]
-fn demo_models_outside_the_table_are_not_checked() {
-    let mut m = two_cards_64gb(avx512_off());
+fn models_outside_the_table_get_only_the_cpu_check() {
+    // No GPU and little RAM: a demo or tiny model still starts.
+    let mut m = two_cards_64gb(AVX2);
     m.gpus.clear();
+    m.memory.available_bytes = GIB;
     assert_eq!(check_before_serve(&m, None, &env(None, None)), Ok(vec![]));
+    // A CPU without AVX2 + FMA + F16C is refused outright, override or not.
+    m.cpu.features = CpuFeatures {
+        fma: false,
+        f16c: false,
+        ..AVX2
+    };
+    for e in [env(None, None), env(Some("0"), Some("0"))] {
+        let err = check_before_serve(&m, None, &e).unwrap_err();
+        assert_eq!(
+            err,
+            Refusal::CpuUnsupported {
+                cpu: "Test CPU".into(),
+                missing: vec!["FMA", "F16C"]
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "refusing to start: Capy Flash needs AVX2 + FMA + F16C on the CPU; this CPU (Test CPU) \
+             lacks FMA, F16C. No override exists: the server's CPU code cannot run without them."
+        );
+    }
+    assert!(check_before_serve(&two_cards_64gb(avx512_off()), None, &env(None, None)).is_err());
 }
 
 #[test]

@@ -308,7 +308,7 @@ fn an_avx2_only_cpu_runs_flash_next_with_a_note() {
 }
 
 #[test]
-fn a_cpu_without_f16c_is_refused_flash_next_but_runs_the_27b() {
+fn a_cpu_without_f16c_is_refused_every_configuration() {
     let no_f16c = CpuFeatures {
         f16c: false,
         ..AVX2_ONLY
@@ -326,8 +326,8 @@ fn a_cpu_without_f16c_is_refused_flash_next_but_runs_the_27b() {
         vec![
             (NVFP4, false),
             (G64, false),
-            (B27_NVFP4, true),
-            (B27_3BIT, true)
+            (B27_NVFP4, false),
+            (B27_3BIT, false)
         ]
     );
     let nvfp4 = get(&p, NVFP4);
@@ -342,11 +342,25 @@ fn a_cpu_without_f16c_is_refused_flash_next_but_runs_the_27b() {
         matches!(&nvfp4.unmet[0].need, Need::CpuFeatures { missing, .. } if missing == &vec!["F16C"])
     );
     assert!(!nvfp4.unmet[0].overridable);
+    // The 27B runs on the GPU, but the product's minimum CPU holds for every model.
+    let b27 = get(&p, B27_NVFP4);
     assert_eq!(
-        get(&p, B27_NVFP4).notes,
-        vec!["this CPU lacks F16C; not needed here: Qwen3.8-27B NVFP4 runs entirely on the GPU"]
+        messages(b27),
+        vec![
+            "Qwen3.8-27B NVFP4 runs on the GPU, but Capy Flash needs AVX2 + FMA + F16C on the CPU; \
+             this CPU (Old CPU) lacks F16C"
+        ]
     );
-    assert_eq!(p.recommendation.as_ref().unwrap().id, B27_NVFP4);
+    assert!(!b27.unmet[0].overridable);
+    assert!(b27.notes.is_empty());
+    assert_eq!(p.recommendation, None);
+    assert!(
+        p.summary.starts_with(
+            "no configuration fits this machine: Qwen3.8-27B 3-bit (GSQ-RCO) runs on the GPU"
+        ),
+        "{}",
+        p.summary
+    );
 }
 
 #[test]
