@@ -81,6 +81,7 @@ pub fn sources() -> Vec<KernelSource> {
     ];
     files
         .into_iter()
+        .chain(super::flash_next::kernel_files())
         .map(|(name, body, functions)| KernelSource {
             name,
             source: format!("{COMMON}\n{body}"),

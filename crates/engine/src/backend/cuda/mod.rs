@@ -15,6 +15,7 @@
 //! - Every device allocation goes through a ledger that enforces the VRAM budget.
 
 pub mod bench;
+pub mod flash_next;
 pub mod kernels;
 
 use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
@@ -1130,6 +1131,67 @@ impl Backend for CudaBackend {
 
     fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> CudaTensor {
         self.elementwise_out("sigmoid_gate", x, gate)
+    }
+
+    // --- Flash-Next ops: kernels in kernels/{hyper,qsa,moe}.cu, driven from flash_next.rs ---
+    fn scale_cols(&self, x: &CudaTensor, scale: &CudaTensor) -> CudaTensor {
+        self.fn_scale_cols(x, scale)
+    }
+    fn silu_scaled(&self, x: &CudaTensor, scale: f32) -> CudaTensor {
+        self.fn_silu_scaled(x, scale)
+    }
+    fn hc_mix(&self, normed: &CudaTensor, mix_logits: &CudaTensor, streams: usize) -> CudaTensor {
+        self.fn_hc_mix(normed, mix_logits, streams)
+    }
+    fn hc_inject(
+        &self,
+        residual: &CudaTensor,
+        out: &CudaTensor,
+        inject_logits: &CudaTensor,
+        streams: usize,
+    ) -> CudaTensor {
+        self.fn_hc_inject(residual, out, inject_logits, streams)
+    }
+    fn ple_gate(
+        &self,
+        key: &CudaTensor,
+        query: &CudaTensor,
+        value: &CudaTensor,
+        streams: usize,
+    ) -> CudaTensor {
+        self.fn_ple_gate(key, query, value, streams)
+    }
+    fn mean_pool_rows(&self, x: &CudaTensor, group: usize) -> CudaTensor {
+        self.fn_mean_pool_rows(x, group)
+    }
+    fn qsa_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        index_q: &CudaTensor,
+        block_keys: &CudaTensor,
+        past: usize,
+        shape: AttentionShape,
+        qsa: crate::backend::QsaShape,
+    ) -> CudaTensor {
+        self.fn_qsa_attention(q, k, v, index_q, block_keys, past, shape, qsa)
+    }
+    fn moe_route(
+        &self,
+        logits: &CudaTensor,
+        top_k: usize,
+        normalize: bool,
+    ) -> crate::backend::MoeRouting {
+        self.fn_moe_route(logits, top_k, normalize)
+    }
+    fn moe_experts(
+        &self,
+        x: &CudaTensor,
+        routing: &crate::backend::MoeRouting,
+        experts: &[crate::backend::ExpertMatrices<CudaMatrix>],
+    ) -> CudaTensor {
+        self.fn_moe_experts(x, routing, experts)
     }
 
     fn rope(

@@ -1,0 +1,383 @@
+//! Every Flash-Next op of the CUDA backend (hyper-connection mixers, PLE gate, QSA, MoE routing
+//! and routed experts) against the CPU reference on random inputs.
+//!
+//! Tolerance (exact math, f32 activations): |gpu − cpu| ≤ 1e-4 · (1 + |cpu|) per element, as in
+//! `cuda_ops.rs`: the backends sum in different orders (warp trees against SIMD lanes), which
+//! moves results by a few ulp of the largest partial sums. Discrete results are compared
+//! exactly: the QSA token selections (also past the budget, where the top-k blocks are chosen)
+//! and the MoE expert ids.
+//!
+//! Without a CUDA driver (CI, laptops) each test prints why it is skipped and passes.
+#![cfg(feature = "cuda")]
+
+use capy_engine::backend::cpu::{qsa, CpuBackend, CpuTensor};
+use capy_engine::backend::cuda::CudaBackend;
+use capy_engine::backend::{AttentionShape, Backend, ExpertMatrices, MoeRouting, QsaShape};
+use capy_engine::tensor::{Bytes, DType, HostTensor};
+
+const ATOL: f32 = 1e-4;
+const RTOL: f32 = 1e-4;
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::with_exact_math(0, None, true) {
+        Ok(b) => {
+            println!("running on {}", b.name());
+            Some(b)
+        }
+        Err(e) => {
+            println!("skipping: no usable CUDA device: {e:#}");
+            None
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+fn host_matrix(name: &str, rows: usize, cols: usize, values: &[f32], dtype: DType) -> HostTensor {
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        other => panic!("no test matrices of {other}"),
+    };
+    HostTensor {
+        name: name.into(),
+        dtype,
+        shape: vec![rows, cols],
+        data: Bytes::from_vec(bytes),
+    }
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{what}: {} values, expected {}",
+        got.len(),
+        want.len()
+    );
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        assert!(
+            err <= ATOL + RTOL * w.abs(),
+            "{what}: element {i}: gpu {g} vs cpu {w} (|Δ| {err:e})"
+        );
+        worst = worst.max(err);
+    }
+    println!("{what}: {} values, max |Δ| {worst:.2e}", got.len());
+}
+
+type GpuAct = <CudaBackend as Backend>::Act;
+
+/// The same activation on both backends.
+fn pair(g: &CudaBackend, rows: usize, cols: usize, data: &[f32]) -> (CpuTensor, GpuAct) {
+    (
+        CpuBackend::new().from_host(rows, cols, data),
+        g.from_host(rows, cols, data),
+    )
+}
+
+#[test]
+fn hyper_connection_and_ple_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(7);
+    // Real Flash-Next widths (4 streams × 2560) and an odd one (3 × 100).
+    for (n, h, s) in [(5usize, 2560usize, 4usize), (9, 100, 3), (1, 2560, 4)] {
+        let wide = s * h;
+        let (xc, xg) = pair(&g, n, wide, &r.vec(n * wide, 2.0));
+        let (sc, sg) = pair(&g, 1, wide, &r.vec(wide, 1.5));
+        assert_close(
+            &g.to_host(&g.scale_cols(&xg, &sg)),
+            &c.scale_cols(&xc, &sc).data,
+            &format!("scale_cols {n}x{wide}"),
+        );
+        assert_close(
+            &g.to_host(&g.silu_scaled(&xg, 0.25)),
+            &c.silu_scaled(&xc, 0.25).data,
+            &format!("silu_scaled {n}x{wide}"),
+        );
+        let (mc, mg) = pair(&g, n, wide, &r.vec(n * wide, 3.0));
+        assert_close(
+            &g.to_host(&g.hc_mix(&xg, &mg, s)),
+            &c.hc_mix(&xc, &mc, s).data,
+            &format!("hc_mix {n}x{s}x{h}"),
+        );
+        let (oc, og) = pair(&g, n, h, &r.vec(n * h, 1.0));
+        let (lc, lg) = pair(&g, n, s, &r.vec(n * s, 4.0));
+        assert_close(
+            &g.to_host(&g.hc_inject(&xg, &og, &lg, s)),
+            &c.hc_inject(&xc, &oc, &lc, s).data,
+            &format!("hc_inject {n}x{s}x{h}"),
+        );
+        let (qc, qg) = pair(&g, n, wide, &r.vec(n * wide, 1.0));
+        assert_close(
+            &g.to_host(&g.ple_gate(&xg, &qg, &og, s)),
+            &c.ple_gate(&xc, &qc, &oc, s).data,
+            &format!("ple_gate {n}x{s}x{h}"),
+        );
+    }
+    // Mean pooling drops the partial last block.
+    let (xc, xg) = pair(&g, 4 * 37 + 3, 128, &r.vec((4 * 37 + 3) * 128, 1.0));
+    let pooled = g.mean_pool_rows(&xg, 4);
+    assert_eq!(g.shape(&pooled), (37, 128));
+    assert_close(
+        &g.to_host(&pooled),
+        &c.mean_pool_rows(&xc, 4).data,
+        "mean_pool_rows",
+    );
+}
+
+/// One QSA case: `total` tokens in the cache, the last `n` of them new queries.
+struct QsaCase {
+    attn: AttentionShape,
+    qsa: QsaShape,
+    total: usize,
+    n: usize,
+}
+
+fn run_qsa_case(g: &CudaBackend, case: &QsaCase, seed: u64) -> usize {
+    let c = CpuBackend::new();
+    let mut r = Rng(seed);
+    let (a, s) = (case.attn, case.qsa);
+    let past = case.total - case.n;
+    let n = case.n;
+    let qd = a.num_heads * a.head_dim;
+    let kvd = a.num_kv_heads * a.head_dim;
+    let iq = s.index_heads * s.index_head_dim;
+    let blocks = case.total / s.compress_ratio;
+    let (qc, qg) = pair(g, n, qd, &r.vec(n * qd, 1.0));
+    let (kc, kg) = pair(g, case.total, kvd, &r.vec(case.total * kvd, 1.0));
+    let (vc, vg) = pair(g, case.total, kvd, &r.vec(case.total * kvd, 1.0));
+    let iq_data = r.vec(n * iq, 1.0);
+    let bk_data = r.vec(blocks * s.index_head_dim, 1.0);
+    let (ic, ig) = pair(g, n, iq, &iq_data);
+    let (bc, bg) = pair(g, blocks, s.index_head_dim, &bk_data);
+    // Selections: identical token lists, and the sparse path really taken.
+    let got = g.qsa_token_lists(&ig, &bg, past, s);
+    let mut sparse = 0;
+    for (i, sel) in got.iter().enumerate() {
+        let want = qsa::select_tokens(&iq_data[i * iq..(i + 1) * iq], &bk_data, past + i, s);
+        assert_eq!(
+            sel,
+            &want,
+            "QSA selection of query {i} at position {}",
+            past + i
+        );
+        sparse += sel.is_some() as usize;
+    }
+    let out_g = g.to_host(&g.qsa_attention(&qg, &kg, &vg, &ig, &bg, past, a, s));
+    let out_c = c.qsa_attention(&qc, &kc, &vc, &ic, &bc, past, a, s).data;
+    assert_close(
+        &out_g,
+        &out_c,
+        &format!(
+            "qsa_attention {} tokens, {n} queries, {sparse} past the budget",
+            case.total
+        ),
+    );
+    sparse
+}
+
+#[test]
+fn qsa_selects_the_same_tokens_and_attends_like_cpu() {
+    let Some(g) = gpu() else { return };
+    let small = AttentionShape {
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        scale: 0.125,
+    };
+    // Budget of 12 tokens (3 blocks of 4): two indexer heads make many all-zero (tied) scores,
+    // which must break towards the lower block like the CPU's stable sort.
+    let tiny = QsaShape {
+        index_heads: 2,
+        index_head_dim: 32,
+        block_topk: 3,
+        compress_ratio: 4,
+    };
+    let mut sparse = 0;
+    for (i, (total, n)) in [(70, 70), (70, 1), (49, 9), (13, 13), (301, 17)]
+        .into_iter()
+        .enumerate()
+    {
+        sparse += run_qsa_case(
+            &g,
+            &QsaCase {
+                attn: small,
+                qsa: tiny,
+                total,
+                n,
+            },
+            11 + i as u64,
+        );
+    }
+    // The real shape: 24 heads × 256, 4 indexer heads × 128, top 512 blocks of 4 (budget 2048),
+    // decode at 8K and a prefill chunk that crosses the budget.
+    let real = AttentionShape {
+        num_heads: 24,
+        num_kv_heads: 2,
+        head_dim: 256,
+        scale: 1.0 / 16.0,
+    };
+    let real_qsa = QsaShape {
+        index_heads: 4,
+        index_head_dim: 128,
+        block_topk: 512,
+        compress_ratio: 4,
+    };
+    for (i, (total, n)) in [(8192, 1), (2300, 300)].into_iter().enumerate() {
+        sparse += run_qsa_case(
+            &g,
+            &QsaCase {
+                attn: real,
+                qsa: real_qsa,
+                total,
+                n,
+            },
+            101 + i as u64,
+        );
+    }
+    assert!(sparse > 300, "only {sparse} queries ran past the budget");
+}
+
+#[test]
+fn qsa_within_budget_is_dense_attention() {
+    let Some(g) = gpu() else { return };
+    let a = AttentionShape {
+        num_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 32,
+        scale: 0.2,
+    };
+    let s = QsaShape {
+        index_heads: 2,
+        index_head_dim: 16,
+        block_topk: 16,
+        compress_ratio: 4,
+    };
+    let mut r = Rng(5);
+    let (total, n) = (60, 20);
+    let q = g.from_host(n, 128, &r.vec(n * 128, 1.0));
+    let k = g.from_host(total, 32, &r.vec(total * 32, 1.0));
+    let v = g.from_host(total, 32, &r.vec(total * 32, 1.0));
+    let iq = g.from_host(n, 32, &r.vec(n * 32, 1.0));
+    let bk = g.from_host(total / 4, 16, &r.vec(total / 4 * 16, 1.0));
+    assert!(g
+        .qsa_token_lists(&iq, &bk, total - n, s)
+        .iter()
+        .all(Option::is_none));
+    let sparse = g.to_host(&g.qsa_attention(&q, &k, &v, &iq, &bk, total - n, a, s));
+    let dense = g.to_host(&g.attention(&q, &k, &v, total - n, a));
+    assert_eq!(sparse, dense);
+}
+
+#[test]
+fn moe_routing_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(3);
+    for (n, experts, k, normalize) in [(37, 64, 10, true), (1, 512, 10, true), (5, 16, 4, false)] {
+        let mut logits = r.vec(n * experts, 3.0);
+        // Exact ties: the lower expert comes first on both backends.
+        logits[1] = logits[0];
+        logits[2] = logits[0];
+        let (lc, lg) = pair(&g, n, experts, &logits);
+        let got = g.moe_route(&lg, k, normalize);
+        let want = c.moe_route(&lc, k, normalize);
+        assert_eq!(got.top_k, k);
+        assert_eq!(
+            got.experts, want.experts,
+            "routing of {n} rows over {experts} experts, top {k}: expert ids"
+        );
+        assert_close(
+            &got.weights,
+            &want.weights,
+            &format!("routing weights {n}x{experts} top {k}"),
+        );
+    }
+}
+
+/// Random experts on both backends: `[2I, H]` gate‖up and `[H, I]` down each.
+fn experts_pair(
+    g: &CudaBackend,
+    r: &mut Rng,
+    count: usize,
+    hidden: usize,
+    inter: usize,
+    dtype: DType,
+) -> (
+    Vec<ExpertMatrices<<CpuBackend as Backend>::Matrix>>,
+    Vec<ExpertMatrices<<CudaBackend as Backend>::Matrix>>,
+) {
+    let c = CpuBackend::new();
+    let mut cpu = Vec::new();
+    let mut gpu = Vec::new();
+    for e in 0..count {
+        let gu = host_matrix(
+            &format!("e{e}.gate_up"),
+            2 * inter,
+            hidden,
+            &r.vec(2 * inter * hidden, 0.1),
+            dtype,
+        );
+        let down = host_matrix(
+            &format!("e{e}.down"),
+            hidden,
+            inter,
+            &r.vec(hidden * inter, 0.1),
+            dtype,
+        );
+        cpu.push(ExpertMatrices {
+            gate_up: c.matrix(&gu).unwrap(),
+            down: c.matrix(&down).unwrap(),
+        });
+        gpu.push(ExpertMatrices {
+            gate_up: g.matrix(&gu).unwrap(),
+            down: g.matrix(&down).unwrap(),
+        });
+    }
+    (cpu, gpu)
+}
+
+#[test]
+fn routed_experts_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(9);
+    // (rows, experts, top-k, hidden, intermediate): decode (grouped matvec), a few rows, a
+    // prefill batch whose experts get more than 8 rows each (GEMM), odd widths (scalar loads).
+    let cases = [
+        (1usize, 64usize, 10usize, 2560usize, 640usize),
+        (3, 16, 4, 256, 96),
+        (40, 8, 4, 256, 96),
+        (12, 6, 2, 100, 36),
+    ];
+    for dtype in [DType::BF16, DType::F32] {
+        for &(n, count, k, hidden, inter) in &cases {
+            let (ec, eg) = experts_pair(&g, &mut r, count, hidden, inter, dtype);
+            let logits = r.vec(n * count, 2.0);
+            let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), k, true);
+            let (xc, xg) = pair(&g, n, hidden, &r.vec(n * hidden, 1.0));
+            assert_close(
+                &g.to_host(&g.moe_experts(&xg, &routing, &eg)),
+                &c.moe_experts(&xc, &routing, &ec).data,
+                &format!("moe_experts {dtype} {n} rows, {count} experts top {k}, {hidden}x{inter}"),
+            );
+        }
+    }
+}

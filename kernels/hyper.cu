@@ -1,0 +1,61 @@
+// Flash-Next row ops: hyper-connection mixers (read-out and write-back), the per-column scale
+// of the wide norms, the scaled SiLU of the mixer's low-rank path, and the PLE gate.
+// CPU reference: crates/engine/src/backend/cpu/hyper.rs (same summation order where a loop
+// runs over streams; reductions over the hidden size use a block tree).
+
+// out[r, c] = x[r, c] · scale[c]
+extern "C" __global__ void scale_cols(const float* x, const float* scale, float* out, u64 n, int cols) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = x[i] * scale[i % cols];
+}
+
+// out = silu(x · scale)
+extern "C" __global__ void silu_scaled(const float* x, float* out, u64 n, float scale) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = silu_f(x[i] * scale);
+}
+
+// normed, mix [rows, streams·h] → out [rows, h]: the mean over streams of sigmoid(mix)·normed.
+extern "C" __global__ void hc_mix(const float* normed, const float* mix, float* out, u64 rows, int h, int streams) {
+    const u64 n = rows * h;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / h;
+        const int j = (int)(i - r * h);
+        float acc = 0.0f;
+        for (int s = 0; s < streams; s++) {
+            const u64 at = (r * streams + s) * h + j;
+            acc += sigmoid_f(mix[at]) * normed[at];
+        }
+        out[i] = acc / (float)streams;
+    }
+}
+
+// res [rows, streams·h] = residual + out[r] · 2·sigmoid(logits[r, s] / streams) on stream s.
+extern "C" __global__ void hc_inject(const float* residual, const float* out, const float* logits, float* res, u64 rows,
+                                     int h, int streams) {
+    const u64 n = rows * streams * h;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 rs = i / h;
+        const int j = (int)(i - rs * h);
+        const u64 r = rs / streams;
+        const float w = 2.0f * sigmoid_f(logits[rs] / (float)streams);
+        res[i] = residual[i] + out[r * h + j] * w;
+    }
+}
+
+// One block per (row, stream): g = <key, query> / sqrt(h), g ← sign(g)·sqrt(max(|g|, 1e-6)),
+// out = sigmoid(g) · value[row].
+extern "C" __global__ void ple_gate(const float* key, const float* query, const float* value, float* out, int h,
+                                    int streams) {
+    __shared__ float scratch[32];
+    const u64 rs = blockIdx.x;
+    const u64 r = rs / streams;
+    const float* k = key + rs * h;
+    const float* q = query + rs * h;
+    float dot = 0.0f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) dot += k[j] * q[j];
+    const float g = block_sum(dot, scratch) * (1.0f / sqrtf((float)h));
+    const float sign = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : 0.0f);
+    const float gate = sigmoid_f(sqrtf(fmaxf(fabsf(g), 1e-6f)) * sign);
+    for (int j = threadIdx.x; j < h; j += blockDim.x) out[rs * h + j] = gate * value[r * h + j];
+}

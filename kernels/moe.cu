@@ -1,0 +1,254 @@
+// Sparse MoE on the GPU (CPU reference: crates/engine/src/backend/cpu/moe.rs).
+// - `moe_route`: softmax over each row's router logits, the top-k (equal probabilities: the
+//   lower expert first, as the CPU's stable sort), renormalised over the top-k.
+// - Routed experts, grouped by expert: the host lists, per hit expert, the batch rows routed to
+//   it (slot `off .. off + cnt` of a grouped layout). Groups of at most MOE_MAX_ROWS rows run
+//   the grouped matvec kernels below in one launch each (decode); larger groups run cuBLAS
+//   through the backend's linear layers (prefill). `moe_combine` then sums each row's expert
+//   outputs with its routing weights, in ascending expert order like the CPU.
+
+#define MOE_MAX_ROWS 8
+
+__device__ __forceinline__ void unpack8_bf16(uint4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void unpack8_f16(uint4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
+        f[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    }
+}
+
+// Eight weights starting at element `e` (a multiple of 8) of a row, as f32.
+__device__ __forceinline__ void load8(const void* row, int dt, int e, float* f) {
+    if (dt == DT_BF16) {
+        unpack8_bf16(__ldg((const uint4*)((const u16*)row + e)), f);
+    } else if (dt == DT_F16) {
+        unpack8_f16(__ldg((const uint4*)((const u16*)row + e)), f);
+    } else {
+        const float4 a = __ldg((const float4*)((const float*)row + e));
+        const float4 b = __ldg((const float4*)((const float*)row + e) + 1);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+        f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    }
+}
+
+__device__ __forceinline__ int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+// One block per row (256 threads). logits [n, experts] → ids, weights [n, k].
+extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize) {
+    __shared__ float scratch[32];
+    __shared__ float best_p[32];
+    __shared__ int best_e[32];
+    __shared__ float top_p[64];
+    extern __shared__ float probs[];  // experts floats
+    const int r = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const float* row = logits + (u64)r * experts;
+    float m = -INFINITY;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, row[e]);
+    m = warp_max(m);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = m;
+    __syncthreads();
+    m = lane < nwarps ? scratch[lane] : -INFINITY;
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        const float x = expf(row[e] - m);
+        probs[e] = x;
+        s += x;
+    }
+    s = block_sum(s, scratch);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) probs[e] = probs[e] / s;
+    __syncthreads();
+    for (int j = 0; j < k; j++) {
+        // Block argmax; equal values: the lower expert. Taken experts hold -1.
+        float bp = -2.0f;
+        int be = 0x7fffffff;
+        for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+            const float p = probs[e];
+            if (p > bp) {
+                bp = p;
+                be = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (op > bp || (op == bp && oe < be)) {
+                bp = op;
+                be = oe;
+            }
+        }
+        if (lane == 0) {
+            best_p[warp] = bp;
+            best_e[warp] = be;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < nwarps; w++)
+                if (best_p[w] > bp || (best_p[w] == bp && best_e[w] < be)) {
+                    bp = best_p[w];
+                    be = best_e[w];
+                }
+            ids[(u64)r * k + j] = (u32)be;
+            top_p[j] = bp;
+            probs[be] = -1.0f;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float norm = 1.0f;
+        if (normalize) {
+            norm = 0.0f;
+            for (int j = 0; j < k; j++) norm += top_p[j];
+        }
+        for (int j = 0; j < k; j++) weights[(u64)r * k + j] = top_p[j] / norm;
+    }
+}
+
+// groups [G, 4] u64: gate_up pointer, down pointer, first slot, row count (≤ MOE_MAX_ROWS).
+// rows [slots]: the batch row of each slot. x [n, hidden] → act [slots, inter] =
+// silu(gate · x) · (up · x). grid (ceil(inter / warps), G); one warp per output column.
+extern "C" __global__ void moe_gate_up(const u64* groups, const u32* rows, const float* x, float* act, int dt,
+                                       int hidden, int inter) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= inter) return;
+    const u64* g = groups + (u64)blockIdx.y * 4;
+    const char* w = (const char*)g[0];
+    const int off = (int)g[2], cnt = (int)g[3];
+    const u64 es = dt_size(dt);
+    const char* wg = w + (u64)o * hidden * es;
+    const char* wu = w + (u64)(inter + o) * hidden * es;
+    const float* xr[MOE_MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_MAX_ROWS; r++) xr[r] = x + (u64)rows[off + min(r, cnt - 1)] * hidden;
+    float ag[MOE_MAX_ROWS], au[MOE_MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_MAX_ROWS; r++) ag[r] = au[r] = 0.0f;
+    if (hidden % 8 == 0) {
+        for (int e = lane * 8; e < hidden; e += 32 * 8) {
+            float fg[8], fu[8];
+            load8(wg, dt, e, fg);
+            load8(wu, dt, e, fu);
+#pragma unroll
+            for (int r = 0; r < MOE_MAX_ROWS; r++) {
+                if (r < cnt) {
+                    const float4 x0 = *(const float4*)(xr[r] + e);
+                    const float4 x1 = *(const float4*)(xr[r] + e + 4);
+                    ag[r] += fg[0] * x0.x + fg[1] * x0.y + fg[2] * x0.z + fg[3] * x0.w + fg[4] * x1.x + fg[5] * x1.y +
+                             fg[6] * x1.z + fg[7] * x1.w;
+                    au[r] += fu[0] * x0.x + fu[1] * x0.y + fu[2] * x0.z + fu[3] * x0.w + fu[4] * x1.x + fu[5] * x1.y +
+                             fu[6] * x1.z + fu[7] * x1.w;
+                }
+            }
+        }
+    } else {
+        for (int e = lane; e < hidden; e += 32) {
+            const float fg = load_weight(wg, dt, e), fu = load_weight(wu, dt, e);
+#pragma unroll
+            for (int r = 0; r < MOE_MAX_ROWS; r++)
+                if (r < cnt) {
+                    ag[r] += fg * xr[r][e];
+                    au[r] += fu * xr[r][e];
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_MAX_ROWS; r++) {
+        if (r < cnt) {
+            const float gs = warp_sum(ag[r]);
+            const float us = warp_sum(au[r]);
+            if (lane == 0) act[(u64)(off + r) * inter + o] = silu_f(gs) * us;
+        }
+    }
+}
+
+// act [slots, inter] → ys [slots, hidden] = act · downᵀ per group. grid (ceil(hidden / warps), G).
+extern "C" __global__ void moe_down(const u64* groups, const float* act, float* ys, int dt, int hidden, int inter) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= hidden) return;
+    const u64* g = groups + (u64)blockIdx.y * 4;
+    const char* w = (const char*)g[1];
+    const int off = (int)g[2], cnt = (int)g[3];
+    const char* wr = w + (u64)o * inter * dt_size(dt);
+    float acc[MOE_MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_MAX_ROWS; r++) acc[r] = 0.0f;
+    if (inter % 8 == 0) {
+        for (int e = lane * 8; e < inter; e += 32 * 8) {
+            float f[8];
+            load8(wr, dt, e, f);
+#pragma unroll
+            for (int r = 0; r < MOE_MAX_ROWS; r++) {
+                if (r < cnt) {
+                    const float* a = act + (u64)(off + r) * inter + e;
+                    const float4 a0 = *(const float4*)a;
+                    const float4 a1 = *(const float4*)(a + 4);
+                    acc[r] += f[0] * a0.x + f[1] * a0.y + f[2] * a0.z + f[3] * a0.w + f[4] * a1.x + f[5] * a1.y +
+                              f[6] * a1.z + f[7] * a1.w;
+                }
+            }
+        }
+    } else {
+        for (int e = lane; e < inter; e += 32) {
+            const float f = load_weight(wr, dt, e);
+#pragma unroll
+            for (int r = 0; r < MOE_MAX_ROWS; r++)
+                if (r < cnt) acc[r] += f * act[(u64)(off + r) * inter + e];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_MAX_ROWS; r++) {
+        if (r < cnt) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0) ys[(u64)(off + r) * hidden + o] = s;
+        }
+    }
+}
+
+// out [cnt, cols] = x[rows[r]] (rows of one expert, for the GEMM path).
+extern "C" __global__ void moe_gather_rows(const float* x, const u32* rows, float* out, u64 cnt, int cols) {
+    const u64 n = cnt * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / cols;
+        const int c = (int)(i - r * cols);
+        out[i] = x[(u64)rows[r] * cols + c];
+    }
+}
+
+// gu [rows, 2·inter] → act [rows, inter] = silu(gu[:, :inter]) · gu[:, inter:].
+extern "C" __global__ void moe_swiglu_halves(const float* gu, float* act, u64 rows, int inter) {
+    const u64 n = rows * inter;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / inter;
+        const int j = (int)(i - r * inter);
+        act[i] = silu_f(gu[r * 2 * inter + j]) * gu[r * 2 * inter + inter + j];
+    }
+}
+
+// out [n, hidden]: row r = Σ_t weights[r, t] · ys[slots[r, t]] (t in the host's order: ascending
+// expert); k entries per row.
+extern "C" __global__ void moe_combine(const float* ys, const u32* slots, const float* weights, float* out, u64 n,
+                                       int hidden, int k) {
+    const u64 total = n * hidden;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / hidden;
+        const int c = (int)(i - r * hidden);
+        float acc = 0.0f;
+        for (int t = 0; t < k; t++) acc += ys[(u64)slots[r * k + t] * hidden + c] * weights[r * k + t];
+        out[i] = acc;
+    }
+}
