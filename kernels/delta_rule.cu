@@ -65,3 +65,255 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
             if (a < dk) st[(u64)a * dv + b] = S[a];
     }
 }
+
+// ---- Chunked form (prefill) -------------------------------------------------------------
+// Chunks of GDR_CHUNK tokens, as backend/cpu/delta_rule.rs `chunked`. Two kernels:
+//  1. gdr_chunk_prep, parallel over (value head, chunk), needs no state: the L2-normalised
+//     q̂ (·1/√dk), k̂, the cumulative log-decay c, A_ij = β_i (k̂_i·k̂_j) e^{c_i−c_j} (j < i) and the
+//     UT transform by forward substitution, U = (I+A)⁻¹ βV and W = (I+A)⁻¹ β e^{c} K̂; also
+//     Qe = q̂ e^{c_i}, Kd = k̂ e^{c_last−c_j}, P_ij = (q̂_i·k̂_j) e^{c_i−c_j} (j ≤ i), e^{c_last}.
+//  2. gdr_chunk_scan, parallel over (value head, tile of GDR_TILE value columns), walks the
+//     chunks in order with the state tile in shared memory:
+//       V' = U − W S;   O = Qe S + P V';   S ← e^{c_last} S + Kdᵀ V'.
+// Workspace per (head, chunk): U [64, dv], W [64, dk], Qe [64, dk], Kd [64, dk], P [64, 64], 1.
+// Rows past the end of the sequence are zero (β = 0, k̂ = 0, g = 0), so they change nothing.
+
+#define GDR_CHUNK 64
+#define GDR_TILE 32
+
+__device__ __forceinline__ u64 gdr_chunk_floats(int dk, int dv) {
+    return (u64)GDR_CHUNK * (dv + 3 * dk) + GDR_CHUNK * GDR_CHUNK + 1;
+}
+
+// grid (NV, chunks), block 256, dynamic shared memory
+//   (2·64·(dk+1) + 64·65 + 2·64) floats.
+// Tokens t0 + chunk·64 … of the sequence; `n` tokens in all (the last chunk may be partial).
+extern "C" __global__ void gdr_chunk_prep(const float* q, const float* k, const float* v, const float* g,
+                                          const float* beta, float* ws, int n, int t0, int nk, int nv, int dk,
+                                          int dv) {
+    extern __shared__ float sm[];
+    const int ks_stride = dk + 1;
+    float* Ks = sm;                            // [64][dk+1]
+    float* Qs = Ks + GDR_CHUNK * ks_stride;    // [64][dk+1]
+    float* As = Qs + GDR_CHUNK * ks_stride;    // [64][65]
+    float* cum = As + GDR_CHUNK * (GDR_CHUNK + 1);
+    float* bs = cum + GDR_CHUNK;
+    const int h = blockIdx.x, chunk = blockIdx.y;
+    const int kh = h / (nv / nk);
+    const int start = t0 + chunk * GDR_CHUNK;
+    const int l = min(GDR_CHUNK, n - start);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const float scale = 1.0f / sqrtf((float)dk);
+    float* base = ws + ((u64)h * gridDim.y + chunk) * gdr_chunk_floats(dk, dv);
+    float* U = base;
+    float* W = U + GDR_CHUNK * dv;
+    float* Qe = W + GDR_CHUNK * dk;
+    float* Kd = Qe + GDR_CHUNK * dk;
+    float* P = Kd + GDR_CHUNK * dk;
+    float* decay_out = P + GDR_CHUNK * GDR_CHUNK;
+
+    for (int r = warp; r < GDR_CHUNK; r += nwarps) {
+        if (r < l) {
+            const float* qr = q + ((u64)(start + r) * nk + kh) * dk;
+            const float* kr = k + ((u64)(start + r) * nk + kh) * dk;
+            float qq = 0.0f, kk = 0.0f;
+            for (int a = lane; a < dk; a += 32) {
+                qq += qr[a] * qr[a];
+                kk += kr[a] * kr[a];
+            }
+            qq = warp_sum(qq);
+            kk = warp_sum(kk);
+            const float qinv = scale / sqrtf(qq + 1e-6f), kinv = 1.0f / sqrtf(kk + 1e-6f);
+            for (int a = lane; a < dk; a += 32) {
+                Qs[r * ks_stride + a] = qr[a] * qinv;
+                Ks[r * ks_stride + a] = kr[a] * kinv;
+            }
+        } else {
+            for (int a = lane; a < dk; a += 32) {
+                Qs[r * ks_stride + a] = 0.0f;
+                Ks[r * ks_stride + a] = 0.0f;
+            }
+        }
+    }
+    if (warp == 0) {
+        // Inclusive prefix sum of g over the chunk (zeros past the end), one warp, two values a lane.
+        float g0 = lane < l ? g[(u64)(start + lane) * nv + h] : 0.0f;
+        float g1 = lane + 32 < l ? g[(u64)(start + lane + 32) * nv + h] : 0.0f;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            float y0 = __shfl_up_sync(0xffffffffu, g0, o), y1 = __shfl_up_sync(0xffffffffu, g1, o);
+            if (lane >= o) {
+                g0 += y0;
+                g1 += y1;
+            }
+        }
+        g1 += __shfl_sync(0xffffffffu, g0, 31);
+        cum[lane] = g0;
+        cum[lane + 32] = g1;
+        bs[lane] = lane < l ? beta[(u64)(start + lane) * nv + h] : 0.0f;
+        bs[lane + 32] = lane + 32 < l ? beta[(u64)(start + lane + 32) * nv + h] : 0.0f;
+    }
+    __syncthreads();
+    const float clast = cum[GDR_CHUNK - 1];
+    for (int e = tid; e < GDR_CHUNK * GDR_CHUNK; e += blockDim.x) {
+        const int i = e / GDR_CHUNK, j = e % GDR_CHUNK;
+        float kk = 0.0f, qk = 0.0f;
+        if (j <= i) {
+            for (int a = 0; a < dk; a++) {
+                const float kj = Ks[j * ks_stride + a];
+                kk += Ks[i * ks_stride + a] * kj;
+                qk += Qs[i * ks_stride + a] * kj;
+            }
+        }
+        const float d = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
+        As[i * (GDR_CHUNK + 1) + j] = j < i ? bs[i] * kk * d : 0.0f;
+        P[e] = qk * d;
+    }
+    for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) {
+        const int i = e / dk, a = e % dk;
+        Qe[e] = Qs[i * ks_stride + a] * expf(cum[i]);
+        Kd[e] = Ks[i * ks_stride + a] * expf(clast - cum[i]);
+    }
+    if (tid == 0) *decay_out = expf(clast);
+    __syncthreads();
+    // Forward substitution, one column of [βV | βe^{c}K̂] per thread: y_i = x_i − Σ_{j<i} A_ij y_j.
+    for (int col = tid; col < dv + dk; col += blockDim.x) {
+        float y[GDR_CHUNK];
+#pragma unroll
+        for (int i = 0; i < GDR_CHUNK; i++) {
+            float x;
+            if (col < dv)
+                x = i < l ? bs[i] * v[((u64)(start + i) * nv + h) * dv + col] : 0.0f;
+            else
+                x = bs[i] * expf(cum[i]) * Ks[i * ks_stride + (col - dv)];
+#pragma unroll
+            for (int j = 0; j < i; j++) x -= As[i * (GDR_CHUNK + 1) + j] * y[j];
+            y[i] = x;
+        }
+        if (col < dv) {
+#pragma unroll
+            for (int i = 0; i < GDR_CHUNK; i++) U[i * dv + col] = y[i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < GDR_CHUNK; i++) W[i * dk + (col - dv)] = y[i];
+        }
+    }
+}
+
+// grid (NV, ceil(dv / 32)), block 256, dynamic shared memory
+//   (dk·32 + 64·(dk+4) + 64·32) floats. Walks `chunks` chunks of the workspace in order,
+// updating state [NV, dk, dv] and writing out [n, NV·dv] rows t0 + chunk·64 + i (< n).
+extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* out, int n, int t0, int chunks,
+                                          int nv, int dk, int dv) {
+    extern __shared__ float sm[];
+    const int bs_stride = dk + 4;
+    float* S = sm;                              // [dk][32]
+    float* buf = S + dk * GDR_TILE;             // [64][dk+4]
+    float* vn = buf + GDR_CHUNK * bs_stride;    // [64][32]
+    const int h = blockIdx.x, b0 = blockIdx.y * GDR_TILE;
+    const int tid = threadIdx.x;
+    const int cols = min(GDR_TILE, dv - b0);
+    float* st = state + (u64)h * dk * dv;
+    for (int e = tid; e < dk * GDR_TILE; e += blockDim.x) {
+        const int a = e / GDR_TILE, c = e % GDR_TILE;
+        S[e] = c < cols ? st[(u64)a * dv + b0 + c] : 0.0f;
+    }
+    // Micro-tiles: V' and O are [64, 32] (2 rows × 4 columns a thread); S is [dk, 32]
+    // (4 rows × 4 columns a thread, dk ≤ 128).
+    const int ri = (tid >> 3) * 2, ci = (tid & 7) * 4;
+    const u64 per_chunk = gdr_chunk_floats(dk, dv);
+    for (int chunk = 0; chunk < chunks; chunk++) {
+        const float* base = ws + ((u64)h * chunks + chunk) * per_chunk;
+        const float* U = base;
+        const float* W = U + GDR_CHUNK * dv;
+        const float* Qe = W + GDR_CHUNK * dk;
+        const float* Kd = Qe + GDR_CHUNK * dk;
+        const float* P = Kd + GDR_CHUNK * dk;
+        const float decay = P[GDR_CHUNK * GDR_CHUNK];
+        const int start = t0 + chunk * GDR_CHUNK;
+        const int l = min(GDR_CHUNK, n - start);
+        __syncthreads();
+        for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) buf[(e / dk) * bs_stride + e % dk] = W[e];
+        __syncthreads();
+        {
+            float acc[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[r][c] = 0.0f;
+            for (int a = 0; a < dk; a++) {
+                const float4 s4 = *(const float4*)&S[a * GDR_TILE + ci];
+                const float w0 = buf[ri * bs_stride + a], w1 = buf[(ri + 1) * bs_stride + a];
+                acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
+                acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int col = ci + c;
+                    vn[(ri + r) * GDR_TILE + col] = col < cols ? U[(ri + r) * dv + b0 + col] - acc[r][c] : 0.0f;
+                }
+        }
+        __syncthreads();
+        for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) buf[(e / dk) * bs_stride + e % dk] = Qe[e];
+        __syncthreads();
+        {
+            float acc[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[r][c] = 0.0f;
+            for (int a = 0; a < dk; a++) {
+                const float4 s4 = *(const float4*)&S[a * GDR_TILE + ci];
+                const float w0 = buf[ri * bs_stride + a], w1 = buf[(ri + 1) * bs_stride + a];
+                acc[0][0] += w0 * s4.x; acc[0][1] += w0 * s4.y; acc[0][2] += w0 * s4.z; acc[0][3] += w0 * s4.w;
+                acc[1][0] += w1 * s4.x; acc[1][1] += w1 * s4.y; acc[1][2] += w1 * s4.z; acc[1][3] += w1 * s4.w;
+            }
+            for (int j = 0; j <= ri + 1; j++) {
+                const float4 v4 = *(const float4*)&vn[j * GDR_TILE + ci];
+                const float p0 = j <= ri ? __ldg(P + ri * GDR_CHUNK + j) : 0.0f;
+                const float p1 = __ldg(P + (ri + 1) * GDR_CHUNK + j);
+                acc[0][0] += p0 * v4.x; acc[0][1] += p0 * v4.y; acc[0][2] += p0 * v4.z; acc[0][3] += p0 * v4.w;
+                acc[1][0] += p1 * v4.x; acc[1][1] += p1 * v4.y; acc[1][2] += p1 * v4.z; acc[1][3] += p1 * v4.w;
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int row = ri + r, col = ci + c;
+                    if (row < l && col < cols) out[((u64)(start + row) * nv + h) * dv + b0 + col] = acc[r][c];
+                }
+        }
+        __syncthreads();
+        for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) buf[(e / dk) * bs_stride + e % dk] = Kd[e];
+        __syncthreads();
+        // S ← e^{c_last} S + Kdᵀ V': rows a0..a0+3 of S, columns ci..ci+3.
+        for (int a0 = (tid >> 3) * 4; a0 < dk; a0 += (blockDim.x >> 3) * 4) {
+            float acc[4][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const float4 s4 = *(const float4*)&S[(a0 + r) * GDR_TILE + ci];
+                acc[r][0] = decay * s4.x; acc[r][1] = decay * s4.y; acc[r][2] = decay * s4.z; acc[r][3] = decay * s4.w;
+            }
+            for (int j = 0; j < GDR_CHUNK; j++) {
+                const float4 v4 = *(const float4*)&vn[j * GDR_TILE + ci];
+                const float4 k4 = *(const float4*)&buf[j * bs_stride + a0];
+                const float kr[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    acc[r][0] += kr[r] * v4.x; acc[r][1] += kr[r] * v4.y; acc[r][2] += kr[r] * v4.z; acc[r][3] += kr[r] * v4.w;
+                }
+            }
+            // Each thread reads and writes only its own S entries, so no barrier is needed here.
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                *(float4*)&S[(a0 + r) * GDR_TILE + ci] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < dk * GDR_TILE; e += blockDim.x) {
+        const int a = e / GDR_TILE, c = e % GDR_TILE;
+        if (c < cols) st[(u64)a * dv + b0 + c] = S[e];
+    }
+}

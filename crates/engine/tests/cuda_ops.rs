@@ -278,6 +278,92 @@ fn linear_matches_cpu_on_every_path() {
     }
 }
 
+/// Every block format the GPU keeps quantized, against the CPU multiplying the dequantized
+/// matrix: the decode matvec (≤ 8 rows), the prefill GEMM (dequantize + cuBLAS), embedding rows.
+#[test]
+fn quantized_linear_matches_cpu_dequantized_reference() {
+    use capy_engine::backend::cpu::experts::format::RowFormat;
+    use capy_engine::backend::cpu::experts::random_blocks;
+    use capy_engine::quant::GgmlType as G;
+    let Some(g) = gpu() else { return };
+    let fast = CudaBackend::with_exact_math(0, None, false).unwrap();
+    let c = CpuBackend::new();
+    let mut r = Rng(15);
+    for (i, fmt) in [
+        RowFormat::Nvfp4,
+        RowFormat::Ggml(G::Iq3S),
+        RowFormat::Ggml(G::Iq3Xxs),
+        RowFormat::Ggml(G::Iq2Xs),
+        RowFormat::Ggml(G::Q8_0),
+        RowFormat::Ggml(G::Q2_0),
+        RowFormat::Fp8B128,
+        RowFormat::Ggml(G::BF16),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // 37 rows: not a multiple of the rows a warp takes (4) nor of a block's (32).
+        for (out, inp) in [(37, 512), (130, 2560)] {
+            let blocks = random_blocks(fmt, out * inp / fmt.block_len(), 100 + i as u64);
+            let mult = if fmt == RowFormat::Nvfp4 { 0.0125 } else { 1.0 };
+            let mc = c.quant_matrix(fmt, out, inp, &blocks, mult).unwrap();
+            let mg = g.quant_matrix(fmt, out, inp, &blocks, mult).unwrap();
+            if !matches!(fmt, RowFormat::Ggml(G::BF16)) {
+                assert_eq!(
+                    mg.quant_format(),
+                    Some(fmt),
+                    "{} stays quantized",
+                    fmt.name()
+                );
+                assert_eq!(
+                    mg.bytes(),
+                    blocks.len(),
+                    "{} keeps its block bytes",
+                    fmt.name()
+                );
+            }
+            for n in [1, 3, 8, 40] {
+                let x = r.vec(n * inp, 1.0);
+                let (xc, xg) = pair(&g, n, inp, &x);
+                let want = c.linear(&xc, &mc).data;
+                assert_close(
+                    &g.to_host(&g.linear(&xg, &mg)),
+                    &want,
+                    &format!("linear {} {n}x{inp} → {out}", fmt.name()),
+                );
+                if n == 40 {
+                    // BF16 activations and weights for the GEMM: within 1% of the output scale.
+                    let mf = fast.quant_matrix(fmt, out, inp, &blocks, mult).unwrap();
+                    let got = fast.to_host(&fast.linear(&fast.from_host(n, inp, &x), &mf));
+                    let scale = want.iter().map(|v| v.abs()).fold(0.0, f32::max);
+                    let worst = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    assert!(
+                        worst <= 0.01 * scale,
+                        "fast {} GEMM deviates by {worst} (output scale {scale})",
+                        fmt.name()
+                    );
+                }
+            }
+            let ids = [3u32, 0, (out - 1) as u32, 3];
+            assert_close(
+                &g.to_host(&g.embedding(&mg, &ids)),
+                &c.embedding(&mc, &ids).data,
+                &format!("embedding {}", fmt.name()),
+            );
+        }
+    }
+    let err = g
+        .quant_matrix(RowFormat::Ggml(G::Iq3S), 2, 256, &[0u8; 100], 1.0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("expected 220 bytes"), "{err}");
+}
+
 #[test]
 fn fast_linear_stays_near_exact() {
     // The default (non-exact) path rounds activations to BF16 for cuBLAS; measure how far that moves.
@@ -417,6 +503,9 @@ fn gated_delta_rule_matches_cpu_in_both_modes() {
             (70, DeltaRuleMode::Chunked),
             (1, DeltaRuleMode::Recurrent),
             (5, DeltaRuleMode::Chunked),
+            (1, DeltaRuleMode::Recurrent),
+            // Past one workspace segment of the chunked kernel at 48 heads (18 chunks).
+            (1300, DeltaRuleMode::Chunked),
             (1, DeltaRuleMode::Recurrent),
         ] {
             let q = r.vec(n * nk * dk, 1.0);

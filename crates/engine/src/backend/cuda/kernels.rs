@@ -34,9 +34,56 @@ fn matvec_functions() -> Vec<String> {
     v
 }
 
+/// The quantized-weight tables as `__device__` arrays (values as f32 bit patterns), generated
+/// from the same statics the CPU decodes with, so the two cannot drift apart.
+fn quant_tables() -> String {
+    use crate::quant::iq_tables::{IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
+    fn table<T: std::fmt::LowerHex>(
+        ty: &str,
+        name: &str,
+        values: impl Iterator<Item = T>,
+    ) -> String {
+        let body: Vec<String> = values.map(|v| format!("0x{v:x}")).collect();
+        format!(
+            "__device__ const {ty} {name}[{}] = {{{}}};\n",
+            body.len(),
+            body.join(",")
+        )
+    }
+    let mut s = String::new();
+    s += &table(
+        "u32",
+        "QT_E4M3",
+        crate::quant::fp8::E4M3_TO_F32.iter().map(|v| v.to_bits()),
+    );
+    s += &table(
+        "u32",
+        "QT_E2M1",
+        crate::quant::nvfp4::E2M1_TO_F32.iter().map(|v| v.to_bits()),
+    );
+    s += &table("u32", "QT_IQ3S", IQ3S_GRID.iter().copied());
+    s += &table("u32", "QT_IQ3XXS", IQ3XXS_GRID.iter().copied());
+    s += &table("u64", "QT_IQ2XS", IQ2XS_GRID.iter().copied());
+    s += &table("unsigned char", "QT_KSIGNS", KSIGNS_IQ2XS.iter().copied());
+    s
+}
+
+fn quant_functions() -> Vec<String> {
+    let mut v: Vec<String> = (1..=super::MATVEC_MAX_ROWS)
+        .map(|rows| format!("quant_matvec_{rows}"))
+        .collect();
+    v.push("quant_dequant_rows".into());
+    v
+}
+
 /// Every kernel file this backend uses.
 pub fn sources() -> Vec<KernelSource> {
-    let files: [(&str, &str, Vec<String>); 5] = [
+    let quant_body = format!(
+        "{}\n{}",
+        quant_tables(),
+        include_str!("../../../../../kernels/quant_matvec.cu")
+    );
+    let files: [(&str, &str, Vec<String>); 6] = [
         (
             "elementwise",
             include_str!("../../../../../kernels/elementwise.cu"),
@@ -76,8 +123,11 @@ pub fn sources() -> Vec<KernelSource> {
         (
             "delta_rule",
             include_str!("../../../../../kernels/delta_rule.cu"),
-            vec!["gated_delta_rule".into()],
+            ["gated_delta_rule", "gdr_chunk_prep", "gdr_chunk_scan"]
+                .map(String::from)
+                .to_vec(),
         ),
+        ("quant_matvec", &quant_body, quant_functions()),
     ];
     files
         .into_iter()

@@ -18,6 +18,7 @@ pub mod bench;
 pub mod flash_next;
 pub mod kernels;
 
+use super::cpu::experts::format::RowFormat;
 use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{bail, Result};
@@ -37,6 +38,10 @@ const ATTENTION_GEMM_MIN_ROWS: usize = 16;
 /// Elements of the f32 scratch that the exact GEMM path widens weights into, and that holds
 /// attention scores (bounds workspace memory: 64 MiB).
 const SCRATCH_ELEMS: usize = 16 << 20;
+/// Bytes of workspace the chunked delta rule may use at once (it runs long prompts in segments).
+const GDR_WORKSPACE_BYTES: usize = 128 << 20;
+/// Kernels that take more than the default 48 KiB of dynamic shared memory.
+const LARGE_SMEM_KERNELS: [&str; 2] = ["gdr_chunk_prep", "gdr_chunk_scan"];
 /// The oldest driver API version accepted: CUDA 13.0 (driver R580).
 pub const MIN_DRIVER: i32 = 13000;
 
@@ -246,18 +251,59 @@ impl WeightType {
     }
 }
 
-/// A `[rows, cols]` weight matrix in its stored dtype.
+/// A `[rows, cols]` weight matrix in its stored dtype, or quantized (`quant`).
 pub struct CudaMatrix {
     pub rows: usize,
     pub cols: usize,
     dtype: WeightType,
+    quant: Option<QuantLayout>,
     buf: DevBuf,
+}
+
+/// How a quantized matrix is stored: rows of `format` blocks, every weight times `multiplier`.
+#[derive(Debug, Clone, Copy)]
+struct QuantLayout {
+    format: RowFormat,
+    /// The kernels' format code (kernels/quant_matvec.cu `QF_*`).
+    code: i32,
+    row_bytes: usize,
+    multiplier: f32,
+}
+
+/// The quant_matvec.cu code of a block format, if the kernels decode it.
+fn quant_code(format: RowFormat) -> Option<i32> {
+    use crate::quant::GgmlType as G;
+    Some(match format {
+        RowFormat::Ggml(G::Q8_0) => 1,
+        RowFormat::Nvfp4 => 2,
+        RowFormat::Ggml(G::Iq3S) => 3,
+        RowFormat::Ggml(G::Iq3Xxs) => 4,
+        RowFormat::Ggml(G::Iq2Xs) => 5,
+        RowFormat::Ggml(G::Q2_0) => 6,
+        RowFormat::Fp8B128 => 7,
+        RowFormat::Ggml(_) => return None,
+    })
 }
 
 impl CudaMatrix {
     /// Bytes the weights occupy on the device.
     pub fn bytes(&self) -> usize {
         self.buf.bytes
+    }
+    /// The block format of a quantized matrix (None for BF16/F16/F32).
+    pub fn quant_format(&self) -> Option<RowFormat> {
+        self.quant.map(|q| q.format)
+    }
+    fn dense_dtype(&self, op: &str) -> WeightType {
+        if let Some(q) = self.quant {
+            panic!(
+                "{op}: a {} matrix [{}, {}] is quantized; this op takes BF16, F16 or F32 weights",
+                q.format.name(),
+                self.rows,
+                self.cols
+            );
+        }
+        self.dtype
     }
 }
 
@@ -417,6 +463,24 @@ impl CudaBackend {
                 })?;
                 functions.insert(f.clone(), Function(func));
             }
+        }
+        let smem_optin = ctx
+            .attribute(
+                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| anyhow::anyhow!("device attribute: {e}"))?;
+        for name in LARGE_SMEM_KERNELS {
+            let f = functions[name];
+            // SAFETY: a loaded function; the value is the device's own opt-in maximum.
+            unsafe {
+                drv_sys::cuFuncSetAttribute(
+                    f.0,
+                    drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_optin,
+                )
+            }
+            .result()
+            .map_err(|e| anyhow::anyhow!("cuFuncSetAttribute({name}): {e}"))?;
         }
         let handle = blas::create_handle().map_err(|e| anyhow::anyhow!("cublasCreate: {e:?}"))?;
         // SAFETY: the handle and stream are live.
@@ -699,7 +763,77 @@ impl CudaBackend {
         ptr
     }
 
+    /// Rows `r0..r0 + rows` of a quantized matrix (or rows `ids`, when given) widened into
+    /// `dst` as f32 or BF16.
+    #[allow(clippy::too_many_arguments)]
+    fn dequant_rows(
+        &self,
+        w: &CudaMatrix,
+        q: QuantLayout,
+        ids: u64,
+        r0: usize,
+        rows: usize,
+        dst: u64,
+        bf16: bool,
+    ) {
+        let groups = rows * w.cols / 8;
+        if groups > 0 {
+            launch!(self, "quant_dequant_rows", grid_1d(groups), (256, 1, 1), 0;
+                q.code, w.buf.ptr, ids, r0 as u64, rows as i32, w.cols as i32, q.row_bytes as u64,
+                q.multiplier, dst, bf16 as i32);
+        }
+    }
+
+    /// Prefill through a quantized matrix: a block of rows at a time dequantized into scratch
+    /// (BF16 for the fast path, f32 when exact), then a cuBLAS GEMM writes those output columns.
+    fn linear_gemm_quant(&self, x: &CudaTensor, w: &CudaMatrix, q: QuantLayout, out: &CudaTensor) {
+        use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+        let (n, k, m) = (x.rows, x.cols, w.rows);
+        let exact = self.inner.exact;
+        let block_rows = (SCRATCH_ELEMS / k.max(1)).clamp(1, m);
+        let esize = if exact { 4 } else { 2 };
+        let scratch = self.alloc(block_rows * k * esize, "dequantized weight scratch");
+        let xh = if exact {
+            None
+        } else {
+            let xh = self.alloc(x.len() * 2, "16-bit activations");
+            launch!(self, "f32_to_bf16_kernel", grid_1d(x.len()), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
+            Some(xh)
+        };
+        for r0 in (0..m).step_by(block_rows) {
+            let rows = block_rows.min(m - r0);
+            self.dequant_rows(w, q, 0, r0, rows, scratch.ptr, !exact);
+            let (a, b, compute) = match &xh {
+                None => (
+                    (scratch.ptr, CUDA_R_32F, k),
+                    (x.ptr(), CUDA_R_32F, k),
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                ),
+                Some(xh) => (
+                    (scratch.ptr, CUDA_R_16BF, k),
+                    (xh.ptr, CUDA_R_16BF, k),
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                ),
+            };
+            self.gemm(
+                true,
+                false,
+                rows,
+                n,
+                k,
+                1.0,
+                a,
+                b,
+                (out.ptr() + (r0 * 4) as u64, m),
+                compute,
+            );
+        }
+    }
+
     fn linear_gemm(&self, x: &CudaTensor, w: &CudaMatrix, out: &CudaTensor) {
+        if let Some(q) = w.quant {
+            return self.linear_gemm_quant(x, w, q, out);
+        }
         let (n, k, m) = (x.rows, x.cols, w.rows);
         use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
         let wtype = match w.dtype {
@@ -763,6 +897,45 @@ impl CudaBackend {
                     blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 );
             }
+        }
+    }
+
+    /// The chunked gated delta rule (kernels/delta_rule.cu): the state-free UT transform of
+    /// every chunk of a segment in parallel, then one ordered scan over the segment's chunks.
+    /// Segments bound the workspace to [`GDR_WORKSPACE_BYTES`].
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_chunked(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaTensor,
+        s: DeltaRuleShape,
+        out: &CudaTensor,
+    ) {
+        const CHUNK: usize = 64;
+        const TILE: usize = 32;
+        let n = q.rows;
+        let (dk, dv, nv) = (s.k_head_dim, s.v_head_dim, s.num_v_heads);
+        let per_chunk = CHUNK * (dv + 3 * dk) + CHUNK * CHUNK + 1;
+        let chunks = ceil_div(n, CHUNK);
+        let seg_chunks = (GDR_WORKSPACE_BYTES / (per_chunk * nv * 4)).clamp(1, chunks);
+        let ws = self.alloc(
+            seg_chunks * nv * per_chunk * 4,
+            "delta-rule chunk workspace",
+        );
+        let prep_smem = (2 * CHUNK * (dk + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK) * 4;
+        let scan_smem = (dk * TILE + CHUNK * (dk + 4) + CHUNK * TILE) * 4;
+        for c0 in (0..chunks).step_by(seg_chunks) {
+            let seg = seg_chunks.min(chunks - c0);
+            let t0 = (c0 * CHUNK) as i32;
+            launch!(self, "gdr_chunk_prep", (nv as u32, seg as u32, 1), (256, 1, 1), prep_smem as u32;
+                q.ptr(), k.ptr(), v.ptr(), g.ptr(), beta.ptr(), ws.ptr, n as i32, t0,
+                s.num_k_heads as i32, nv as i32, dk as i32, dv as i32);
+            launch!(self, "gdr_chunk_scan", (nv as u32, ceil_div(dv, TILE) as u32, 1), (256, 1, 1), scan_smem as u32;
+                ws.ptr, state.ptr(), out.ptr(), n as i32, t0, seg as i32, nv as i32, dk as i32, dv as i32);
         }
     }
 
@@ -899,6 +1072,70 @@ impl Backend for CudaBackend {
             rows: t.shape[0],
             cols: t.shape[1],
             dtype,
+            quant: None,
+            buf,
+        })
+    }
+
+    fn quant_matrix(
+        &self,
+        format: RowFormat,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+        multiplier: f32,
+    ) -> Result<CudaMatrix> {
+        use crate::quant::GgmlType as G;
+        let row_bytes = format.row_bytes(cols)?;
+        if blocks.len() != rows * row_bytes {
+            bail!(
+                "{} matrix [{rows}, {cols}]: expected {} bytes ({row_bytes} per row), found {}",
+                format.name(),
+                rows * row_bytes,
+                blocks.len()
+            );
+        }
+        let Some(code) = quant_code(format) else {
+            // Plain float "blocks": upload as a dense matrix (scaled on the host if need be).
+            let dtype = match format {
+                RowFormat::Ggml(G::BF16) => DType::BF16,
+                RowFormat::Ggml(G::F16) => DType::F16,
+                _ => DType::F32,
+            };
+            let t = if multiplier == 1.0 && dtype != DType::F32 {
+                HostTensor {
+                    name: format!("{} matrix", format.name()),
+                    dtype,
+                    shape: vec![rows, cols],
+                    data: crate::tensor::Bytes::from_vec(blocks.to_vec()),
+                }
+            } else {
+                let values = super::dequantize_matrix(format, rows, cols, blocks, multiplier)?;
+                HostTensor::from_f32(
+                    &format!("{} matrix", format.name()),
+                    vec![rows, cols],
+                    &values,
+                )
+            };
+            return self.matrix(&t);
+        };
+        let what = format!("{} weight [{rows}, {cols}]", format.name());
+        let buf = self.try_alloc(blocks.len(), &what, true)?;
+        if !blocks.is_empty() {
+            // SAFETY: the buffer has exactly this many bytes.
+            unsafe { drv::memcpy_htod_async(buf.ptr, blocks, self.stream()) }
+                .map_err(|e| anyhow::anyhow!("uploading {what} failed: {e}"))?;
+        }
+        Ok(CudaMatrix {
+            rows,
+            cols,
+            dtype: WeightType::F32,
+            quant: Some(QuantLayout {
+                format,
+                code,
+                row_bytes,
+                multiplier,
+            }),
             buf,
         })
     }
@@ -1018,6 +1255,13 @@ impl Backend for CudaBackend {
             );
         }
         let out = self.alloc_act(ids.len(), table.cols, ids.len());
+        if let Some(q) = table.quant {
+            if !ids.is_empty() {
+                let dev_ids = self.upload(ids, "token ids");
+                self.dequant_rows(table, q, dev_ids.ptr, 0, ids.len(), out.ptr(), false);
+            }
+            return out;
+        }
         if !ids.is_empty() {
             let dev_ids = self.upload(ids, "token ids");
             launch!(self, "embedding", (ids.len() as u32, 1, 1), (256, 1, 1), 0;
@@ -1040,7 +1284,12 @@ impl Backend for CudaBackend {
             let zeros = self.zeros(x.rows, w.rows);
             return zeros;
         }
-        if x.rows <= MATVEC_MAX_ROWS {
+        if let (Some(q), true) = (w.quant, x.rows <= MATVEC_MAX_ROWS) {
+            let name = format!("quant_matvec_{}", x.rows);
+            let rows_per_block = 8 * 4; // 8 warps of QMV_RPW rows
+            launch!(self, &name, (ceil_div(w.rows, rows_per_block) as u32, 1, 1), (256, 1, 1), 0;
+                q.code, w.buf.ptr, x.ptr(), out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
+        } else if x.rows <= MATVEC_MAX_ROWS {
             let name = format!("matvec_{}_{}", w.dtype.name(), x.rows);
             let warps_per_block = 8;
             launch!(self, &name, (ceil_div(w.rows, warps_per_block) as u32, 1, 1), (32 * warps_per_block as u32, 1, 1), 0;
@@ -1274,7 +1523,7 @@ impl Backend for CudaBackend {
         let out = self.alloc_act(x.rows, channels, x.rows);
         if x.rows > 0 && channels > 0 {
             launch!(self, "causal_conv1d_silu", (ceil_div(channels, 128) as u32, 1, 1), (128, 1, 1), 0;
-                x.ptr(), state.ptr(), weight.buf.ptr, weight.dtype as i32, out.ptr(), x.rows as i32,
+                x.ptr(), state.ptr(), weight.buf.ptr, weight.dense_dtype("causal conv") as i32, out.ptr(), x.rows as i32,
                 channels as i32, taps as i32);
         }
         out
@@ -1309,7 +1558,7 @@ impl Backend for CudaBackend {
         beta: &CudaTensor,
         state: &mut CudaTensor,
         shape: DeltaRuleShape,
-        _mode: DeltaRuleMode,
+        mode: DeltaRuleMode,
     ) -> CudaTensor {
         let s = shape;
         let n = q.rows;
@@ -1323,9 +1572,9 @@ impl Backend for CudaBackend {
         assert_eq!(v.cols, s.num_v_heads * s.v_head_dim);
         assert_eq!(state.len(), s.num_v_heads * s.k_head_dim * s.v_head_dim);
         let out = self.alloc_act(n, v.cols, n);
-        if n > 0 {
-            // Both modes run the recurrent kernel: it is parallel over heads × value columns and
-            // equals the chunked form (see the module docs of kernels/delta_rule.cu).
+        if n > 1 && mode == DeltaRuleMode::Chunked && s.k_head_dim % 4 == 0 {
+            self.gated_delta_rule_chunked(q, k, v, g, beta, state, s, &out);
+        } else if n > 0 {
             launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;
                 q.ptr(), k.ptr(), v.ptr(), g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
                 s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32);
