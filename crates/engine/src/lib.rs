@@ -5,15 +5,19 @@
 //! - `checkpoint/` reads Hugging Face model folders (safetensors, configs);
 //! - `model/` holds one file per architecture, written against the ops in `backend/`;
 //! - `backend/cpu` is the reference backend (and computes CPU experts);
+//! - `hybrid/` places routed experts between VRAM and host RAM (expert cache, split, cost model);
 //! - `tokenizer.rs`, `chat_template.rs` turn conversations into tokens and back;
 //! - `sampling.rs` picks the next token; `scheduler/` batches sequences;
+//! - `cache/` is the prefix cache for agent sessions (RAM and disk tiers);
 //! - `demo.rs` builds the built-in demo model.
 
 pub mod backend;
+pub mod cache;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod demo;
+pub mod hybrid;
 pub mod model;
 pub mod quant;
 pub mod sampling;

@@ -43,27 +43,25 @@ fn expert_slice(t: &HostTensor, e: usize) -> HostTensor {
 
 /// Reads routed experts stored fused (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj`
 /// `[E, H, I]`, as transformers writes them) or per expert (`experts.{e}.gate_proj.weight`,
-/// `up_proj`, `down_proj`, as published checkpoints store them).
-pub fn load_expert_matrices<B: Backend>(
-    b: &B,
+/// `up_proj`, `down_proj`, as published checkpoints store them), as host tensors: per expert,
+/// `gate ‖ up` `[2I, H]` and `down` `[H, I]`.
+pub fn read_expert_tensors(
     ck: &Checkpoint,
     p: &str,
     hidden: usize,
     m: &MoeConfig,
-) -> Result<Vec<ExpertMatrices<B::Matrix>>> {
+) -> Result<Vec<ExpertMatrices<HostTensor>>> {
     let (e_count, inter) = (m.num_experts, m.moe_intermediate_size);
     let fused = format!("{p}gate_up_proj");
     if ck.weights.contains(&fused) {
         let gate_up = tensor(ck, &fused, &[e_count, 2 * inter, hidden])?;
         let down = tensor(ck, &format!("{p}down_proj"), &[e_count, hidden, inter])?;
-        return (0..e_count)
-            .map(|e| {
-                Ok(ExpertMatrices {
-                    gate_up: b.matrix(&expert_slice(&gate_up, e))?,
-                    down: b.matrix(&expert_slice(&down, e))?,
-                })
+        return Ok((0..e_count)
+            .map(|e| ExpertMatrices {
+                gate_up: expert_slice(&gate_up, e),
+                down: expert_slice(&down, e),
             })
-            .collect();
+            .collect());
     }
     if !ck.weights.contains(&format!("{p}0.gate_proj.weight")) {
         bail!(
@@ -76,11 +74,27 @@ pub fn load_expert_matrices<B: Backend>(
             let up = tensor(ck, &format!("{p}{e}.up_proj.weight"), &[inter, hidden])?;
             let down = tensor(ck, &format!("{p}{e}.down_proj.weight"), &[hidden, inter])?;
             Ok(ExpertMatrices {
-                gate_up: b.matrix(&HostTensor::concat_rows(
-                    &format!("{p}{e}.gate_up_proj"),
-                    &[gate, up],
-                )?)?,
-                down: b.matrix(&down)?,
+                gate_up: HostTensor::concat_rows(&format!("{p}{e}.gate_up_proj"), &[gate, up])?,
+                down,
+            })
+        })
+        .collect()
+}
+
+/// [`read_expert_tensors`], uploaded to the backend.
+pub fn load_expert_matrices<B: Backend>(
+    b: &B,
+    ck: &Checkpoint,
+    p: &str,
+    hidden: usize,
+    m: &MoeConfig,
+) -> Result<Vec<ExpertMatrices<B::Matrix>>> {
+    read_expert_tensors(ck, p, hidden, m)?
+        .into_iter()
+        .map(|t| {
+            Ok(ExpertMatrices {
+                gate_up: b.matrix(&t.gate_up)?,
+                down: b.matrix(&t.down)?,
             })
         })
         .collect()

@@ -1,0 +1,222 @@
+//! Routed experts split between the backend (resident copies) and the CPU (the host store).
+//!
+//! [`HybridExperts`] plugs into a MoE layer through [`RoutedExperts`]. Per step it splits the
+//! routing with [`split_routing`]: pairs whose expert has a resident copy run through the
+//! backend's `moe_experts` on those copies; the rest run on the CPU expert kernels over the
+//! host [`ExpertSet`]; the two partial sums are added. Which experts are resident is either
+//! fixed (tests, "all on GPU" / "all on CPU") or decided by the shared [`ExpertCache`]; with
+//! the cache, experts it admits are uploaded after the step and used from the next one.
+//!
+//! On the CPU backend the "resident" side is the CPU backend itself: that is the CPU-only
+//! stand-in CI uses to prove that placement never changes the result.
+
+use super::expert_cache::ExpertCache;
+use super::split::split_routing;
+use crate::backend::cpu::experts::{
+    self, ExpertMatrix, ExpertPool, ExpertSet, ExpertShape, MoeScratch,
+};
+use crate::backend::cpu::simd::Isa;
+use crate::backend::{Backend, ExpertMatrices, MoeRouting};
+use crate::model::layers::moe::RoutedExperts;
+use crate::tensor::HostTensor;
+use anyhow::{bail, Result};
+use std::sync::{Arc, Mutex};
+
+/// Who decides which experts of a layer are resident.
+pub enum Placement {
+    /// A fixed set (`resident[e]`), uploaded at construction.
+    Fixed(Vec<bool>),
+    /// The VRAM expert cache shared by every layer. The layer with index 0 advances its clock.
+    Cached(Arc<Mutex<ExpertCache>>),
+}
+
+struct Resident<M> {
+    /// Resident copies, compact; `slot_of[e]` indexes them.
+    slots: Vec<ExpertMatrices<M>>,
+    slot_expert: Vec<u32>,
+    slot_of: Vec<Option<u32>>,
+    scratch: Option<MoeScratch>,
+    /// Routed pairs the scratch was sized for.
+    scratch_pairs: usize,
+}
+
+/// One MoE layer's routed experts, placed across the backend and the CPU.
+pub struct HybridExperts<B: Backend> {
+    layer: usize,
+    host: Arc<ExpertSet>,
+    pool: Arc<ExpertPool>,
+    isa: Isa,
+    placement: Placement,
+    state: Mutex<Resident<B::Matrix>>,
+}
+
+/// The backend copy of expert `e` of `set` (dequantised; the CUDA path copies the quantised
+/// record instead once the backend keeps quantised matrices).
+fn upload<B: Backend>(b: &B, set: &ExpertSet, e: usize) -> Result<ExpertMatrices<B::Matrix>> {
+    let ExpertShape {
+        hidden,
+        intermediate,
+    } = set.layout.shape;
+    let mut gate_up = set.matrix_f32(e, ExpertMatrix::Gate);
+    gate_up.extend(set.matrix_f32(e, ExpertMatrix::Up));
+    let down = set.matrix_f32(e, ExpertMatrix::Down);
+    Ok(ExpertMatrices {
+        gate_up: b.matrix(&HostTensor::from_f32(
+            &format!("expert {e} gate_up"),
+            vec![2 * intermediate, hidden],
+            &gate_up,
+        ))?,
+        down: b.matrix(&HostTensor::from_f32(
+            &format!("expert {e} down"),
+            vec![hidden, intermediate],
+            &down,
+        ))?,
+    })
+}
+
+impl<B: Backend> HybridExperts<B> {
+    pub fn new(
+        b: &B,
+        layer: usize,
+        host: Arc<ExpertSet>,
+        pool: Arc<ExpertPool>,
+        isa: Isa,
+        placement: Placement,
+    ) -> Result<Self> {
+        let mut state = Resident {
+            slots: Vec::new(),
+            slot_expert: Vec::new(),
+            slot_of: vec![None; host.experts],
+            scratch: None,
+            scratch_pairs: 0,
+        };
+        if let Placement::Fixed(resident) = &placement {
+            if resident.len() != host.experts {
+                bail!(
+                    "layer {layer}: a fixed placement names {} experts, the layer has {}",
+                    resident.len(),
+                    host.experts
+                );
+            }
+            for e in (0..host.experts).filter(|&e| resident[e]) {
+                state.slot_of[e] = Some(state.slots.len() as u32);
+                state.slots.push(upload(b, &host, e)?);
+                state.slot_expert.push(e as u32);
+            }
+        }
+        Ok(HybridExperts {
+            layer,
+            host,
+            pool,
+            isa,
+            placement,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// Experts with a resident copy now.
+    pub fn resident_count(&self) -> usize {
+        self.state.lock().expect("expert state").slots.len()
+    }
+}
+
+impl<M> Resident<M> {
+    fn drop_slot(&mut self, e: u32) {
+        if let Some(s) = self.slot_of[e as usize].take() {
+            let s = s as usize;
+            self.slots.swap_remove(s);
+            self.slot_expert.swap_remove(s);
+            if let Some(&moved) = self.slot_expert.get(s) {
+                self.slot_of[moved as usize] = Some(s as u32);
+            }
+        }
+    }
+}
+
+impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
+    fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act {
+        let (n, hidden) = b.shape(x);
+        let mut st = self.state.lock().expect("expert state");
+        // 1. Where each expert is this step (and what the cache wants copied in after it).
+        let admit = match &self.placement {
+            Placement::Fixed(_) => Vec::new(),
+            Placement::Cached(cache) => {
+                let mut c = cache.lock().expect("expert cache");
+                if self.layer == 0 {
+                    c.advance(n);
+                }
+                let d = c.observe(self.layer, &routing.experts);
+                // Slots given up by this or an earlier layer's decision.
+                let stale: Vec<u32> = st
+                    .slot_expert
+                    .iter()
+                    .copied()
+                    .filter(|&e| !c.is_resident(self.layer, e))
+                    .collect();
+                for e in stale {
+                    st.drop_slot(e);
+                }
+                d.admit
+            }
+        };
+        let split = split_routing(routing, |e| st.slot_of[e as usize].is_some());
+
+        // 2. Resident pairs on the backend, over the compact slot list.
+        let mut out = match &split.resident {
+            Some(r) => {
+                let compact = MoeRouting {
+                    top_k: r.top_k,
+                    experts: r
+                        .experts
+                        .iter()
+                        .map(|&e| st.slot_of[e as usize].expect("resident expert has a slot"))
+                        .collect(),
+                    weights: r.weights.clone(),
+                };
+                b.moe_experts(x, &compact, &st.slots)
+            }
+            None => b.zeros(n, hidden),
+        };
+
+        // 3. Host pairs on the CPU expert kernels.
+        if let Some(h) = &split.host {
+            let pairs = h.experts.len();
+            if st.scratch.is_none() || st.scratch_pairs < pairs {
+                st.scratch = Some(MoeScratch::new(
+                    self.host.layout.shape,
+                    self.host.experts,
+                    n,
+                    h.top_k,
+                    self.pool.threads(),
+                ));
+                st.scratch_pairs = n * h.top_k;
+            }
+            let x_host = b.to_host(x);
+            let mut y = vec![0f32; n * hidden];
+            experts::moe_experts(
+                &self.pool,
+                self.isa,
+                &self.host,
+                &x_host,
+                &h.experts,
+                &h.weights,
+                h.top_k,
+                &mut y,
+                st.scratch.as_mut().expect("sized above"),
+            )
+            .expect("host experts: shapes were checked at load");
+            b.add_assign(&mut out, &b.from_host(n, hidden, &y));
+        }
+
+        // 4. Copy in what the cache admitted (used from the next step).
+        for e in admit {
+            if st.slot_of[e as usize].is_none() {
+                let m = upload(b, &self.host, e as usize).expect("uploading an expert");
+                st.slot_of[e as usize] = Some(st.slots.len() as u32);
+                st.slots.push(m);
+                st.slot_expert.push(e);
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,18 @@
+//! Hybrid expert placement: Flash-Next's routed experts split between VRAM and host RAM.
+//!
+//! - [`expert_cache`]: which experts stay resident (decayed frequency, lookahead, session heat);
+//! - [`split`]: a batch's routing split into resident and host halves;
+//! - [`experts`]: the MoE layer's routed experts computed on both sides and summed;
+//! - [`host_store`]: packing experts into the CPU kernels' record layout;
+//! - [`cost_model`]: when a prefill should stream experts to the GPU instead;
+//! - [`zipf`]: skewed routing for the benches.
+
+pub mod cost_model;
+pub mod expert_cache;
+pub mod experts;
+pub mod host_store;
+pub mod split;
+pub mod zipf;
+
+pub use expert_cache::{ExpertCache, ExpertCacheConfig, ExpertCacheStats};
+pub use experts::{HybridExperts, Placement};
