@@ -163,7 +163,7 @@ pub fn checkpoint_from_config(config: &Value, seed: u64) -> Result<Checkpoint> {
     Ok(Checkpoint {
         dir: label,
         config: c,
-        weights,
+        weights: weights.into(),
         generation: GenerationConfig::default(),
     })
 }

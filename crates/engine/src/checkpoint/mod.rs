@@ -3,7 +3,9 @@
 //! `config.json`, the weights (single or sharded safetensors), and the tokenizer and generation
 //! files. Everything is checked before the model is built, and every error names the file.
 
+pub mod gguf_model;
 pub mod safetensors;
+pub mod weights;
 
 use crate::config::TextConfig;
 use anyhow::{bail, Context, Result};
@@ -11,6 +13,7 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
 pub use self::safetensors::{write_safetensors, SafetensorStore};
+pub use self::weights::{QuantConfig, Weights};
 
 /// `generation_config.json`: the checkpoint's default sampling settings.
 #[derive(Debug, Clone, Default, Deserialize, serde::Serialize)]
@@ -37,32 +40,90 @@ pub struct GenerationConfig {
 pub struct Checkpoint {
     pub dir: PathBuf,
     pub config: TextConfig,
-    pub weights: SafetensorStore,
+    /// Every tensor by its Hugging Face name, in full precision (quantized safetensors and
+    /// GGUF tensors are dequantized when read; see [`weights`]).
+    pub weights: Weights,
     pub generation: GenerationConfig,
 }
 
 impl Checkpoint {
-    /// Opens a model folder: reads `config.json`, maps the weights, reads
-    /// `generation_config.json` when present.
+    /// Opens a model: a Hugging Face folder (`config.json`, safetensors, optionally quantized,
+    /// optionally with a `.gguf` of routed experts beside them), a GGUF file, or a folder that
+    /// holds one GGUF file and no `config.json`. Reads `generation_config.json` when present.
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.exists() {
             bail!("model folder {} does not exist", dir.display());
         }
+        if dir.is_file()
+            && dir
+                .extension()
+                .is_some_and(|x| x.eq_ignore_ascii_case("gguf"))
+        {
+            return Self::open_gguf(dir);
+        }
         if !dir.is_dir() {
             bail!(
-                "{} is not a folder; --model expects a Hugging Face model folder (or \"demo\")",
+                "{} is not a folder; --model expects a Hugging Face model folder, a .gguf file (or \"demo\")",
                 dir.display()
             );
         }
         let config_path = dir.join("config.json");
+        let ggufs = gguf_model::gguf_files(dir)?;
         if !config_path.exists() {
-            bail!(
-                "{} has no config.json; is this a Hugging Face model folder?",
-                dir.display()
-            );
+            match ggufs.as_slice() {
+                [one] => return Self::open_gguf(one),
+                [] => bail!(
+                    "{} has no config.json; is this a Hugging Face model folder?",
+                    dir.display()
+                ),
+                many => bail!(
+                    "{} has no config.json and {} GGUF files ({}); pass --model FILE.gguf to choose one",
+                    dir.display(),
+                    many.len(),
+                    many.iter()
+                        .map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
         }
         let config = TextConfig::from_file(&config_path)?;
-        let weights = SafetensorStore::open_dir(dir)?;
+        let store = SafetensorStore::open_dir(dir)?;
+        let quant = QuantConfig::from_dir(dir)?;
+        let gguf = match ggufs.as_slice() {
+            [] => None,
+            [one] => {
+                let prefix = if store.contains("model.language_model.embed_tokens.weight") {
+                    "model.language_model."
+                } else {
+                    "model."
+                };
+                let file = crate::quant::gguf::GgufFile::open(one)?;
+                Some(gguf_model::GgufWeights::map(file, &config, prefix, false)?)
+            }
+            many => bail!(
+                "{} has {} GGUF files beside its safetensors; expected at most one (the routed experts)",
+                dir.display(),
+                many.len()
+            ),
+        };
+        let weights = Weights::new(store, quant, gguf);
+        Self::finish(dir, config, weights)
+    }
+
+    /// A GGUF file alone: the configuration from its metadata, every tensor from the file.
+    fn open_gguf(path: &Path) -> Result<Self> {
+        let file = crate::quant::gguf::GgufFile::open(path)?;
+        let cfg = gguf_model::config_from_metadata(&file)?;
+        let config = TextConfig::from_value(&cfg)
+            .with_context(|| format!("configuration from the metadata of {}", path.display()))?;
+        let gguf = gguf_model::GgufWeights::map(file, &config, "model.", true)?;
+        let weights = Weights::new(SafetensorStore::open_files(&[])?, None, Some(gguf));
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::finish(&dir, config, weights)
+    }
+
+    fn finish(dir: &Path, config: TextConfig, weights: Weights) -> Result<Self> {
         let gen_path = dir.join("generation_config.json");
         let generation = if gen_path.exists() {
             let text = std::fs::read_to_string(&gen_path)
