@@ -27,6 +27,8 @@ enum Command {
     Bench(commands::bench::Args),
     /// Hardware check: the machine, which configurations fit, and the one to run.
     Doctor(commands::doctor::Args),
+    /// Download a checkpoint from Hugging Face (HF_ENDPOINT for mirrors): resumable, verified.
+    Download(commands::download::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -44,6 +46,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(a) => commands::serve::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::Doctor(a) => commands::doctor::run(a),
+        Command::Download(a) => commands::download::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_cpu_experts;
 pub mod bench_gpu;
 pub mod doctor;
+pub mod download;
 pub mod generate;
 pub mod model_arg;
 pub mod score;

@@ -50,27 +50,41 @@ pub struct HybridExperts<B: Backend> {
     state: Mutex<Resident<B::Matrix>>,
 }
 
-/// The backend copy of expert `e` of `set` (dequantised; the CUDA path copies the quantised
-/// record instead once the backend keeps quantised matrices).
-fn upload<B: Backend>(b: &B, set: &ExpertSet, e: usize) -> Result<ExpertMatrices<B::Matrix>> {
+/// The backend copy of expert `e` of `set`, in the set's own format: a backend that computes
+/// on quantised blocks (CUDA) keeps them quantised, so a copy moves the record's bytes only.
+/// Gate and up with different tensor scales cannot share one fused matrix: those are
+/// dequantised (exact either way).
+pub fn upload<B: Backend>(b: &B, set: &ExpertSet, e: usize) -> Result<ExpertMatrices<B::Matrix>> {
+    let l = set.layout;
     let ExpertShape {
         hidden,
         intermediate,
-    } = set.layout.shape;
-    let mut gate_up = set.matrix_f32(e, ExpertMatrix::Gate);
-    gate_up.extend(set.matrix_f32(e, ExpertMatrix::Up));
-    let down = set.matrix_f32(e, ExpertMatrix::Down);
-    Ok(ExpertMatrices {
-        gate_up: b.matrix(&HostTensor::from_f32(
+    } = l.shape;
+    let [m_gate, m_up, m_down] = set.multipliers(e);
+    let gate_up = if m_gate == m_up {
+        let mut rows = Vec::with_capacity(2 * intermediate * l.gate_up_row_bytes);
+        for m in [ExpertMatrix::Gate, ExpertMatrix::Up] {
+            for i in 0..intermediate {
+                rows.extend_from_slice(set.row(e, m, i));
+            }
+        }
+        b.quant_matrix(l.format, 2 * intermediate, hidden, &rows, m_gate)?
+    } else {
+        let mut values = set.matrix_f32(e, ExpertMatrix::Gate);
+        values.extend(set.matrix_f32(e, ExpertMatrix::Up));
+        b.matrix(&HostTensor::from_f32(
             &format!("expert {e} gate_up"),
             vec![2 * intermediate, hidden],
-            &gate_up,
-        ))?,
-        down: b.matrix(&HostTensor::from_f32(
-            &format!("expert {e} down"),
-            vec![hidden, intermediate],
-            &down,
-        ))?,
+            &values,
+        ))?
+    };
+    let mut down = Vec::with_capacity(hidden * l.down_row_bytes);
+    for r in 0..hidden {
+        down.extend_from_slice(set.row(e, ExpertMatrix::Down, r));
+    }
+    Ok(ExpertMatrices {
+        gate_up,
+        down: b.quant_matrix(l.down_format, hidden, intermediate, &down, m_down)?,
     })
 }
 
@@ -160,8 +174,11 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
             }
         };
         let split = split_routing(routing, |e| st.slot_of[e as usize].is_some());
+        // The host copy first: reading `x` back waits for the device, and the resident work
+        // launched next must overlap the CPU's share rather than precede it.
+        let x_host = split.host.as_ref().map(|_| b.to_host(x));
 
-        // 2. Resident pairs on the backend, over the compact slot list.
+        // 2. Resident pairs on the backend, over the compact slot list (asynchronous on a GPU).
         let mut out = match &split.resident {
             Some(r) => {
                 let compact = MoeRouting {
@@ -178,8 +195,8 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
             None => b.zeros(n, hidden),
         };
 
-        // 3. Host pairs on the CPU expert kernels.
-        if let Some(h) = &split.host {
+        // 3. Host pairs on the CPU expert kernels, while the device works.
+        if let (Some(h), Some(x_host)) = (&split.host, &x_host) {
             let pairs = h.experts.len();
             if st.scratch.is_none() || st.scratch_pairs < pairs {
                 st.scratch = Some(MoeScratch::new(
@@ -191,13 +208,12 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                 ));
                 st.scratch_pairs = n * h.top_k;
             }
-            let x_host = b.to_host(x);
             let mut y = vec![0f32; n * hidden];
             experts::moe_experts(
                 &self.pool,
                 self.isa,
                 &self.host,
-                &x_host,
+                x_host,
                 &h.experts,
                 &h.weights,
                 h.top_k,

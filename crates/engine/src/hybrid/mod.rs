@@ -5,8 +5,9 @@
 //! - [`experts`]: the MoE layer's routed experts computed on both sides and summed;
 //! - [`host_store`]: packing experts into the CPU kernels' record layout;
 //! - [`cost_model`]: when a prefill should stream experts to the GPU instead;
-//! - [`zipf`]: skewed routing for the benches.
+//! - [`zipf`]: skewed routing for the benches; [`bench`]: the hybrid expert decode bench.
 
+pub mod bench;
 pub mod cost_model;
 pub mod expert_cache;
 pub mod experts;

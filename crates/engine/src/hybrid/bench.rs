@@ -1,0 +1,288 @@
+//! The hybrid expert bench: Flash-Next's routed experts at full size, decode at batch 1, with
+//! Zipf-skewed routing, a VRAM expert cache sized from the budget, and the misses computed on
+//! the CPU; then the same with the cache disabled (every routed expert on the CPU).
+//!
+//! It runs the MoE layers' routed experts only (the dense part of a layer is the CUDA bench's
+//! business) over `layers` simulated layers and scales per-token figures to the model's layer
+//! count; the cache's slots are scaled the same way, so each simulated layer sees the share of
+//! VRAM a real layer gets. Every figure is paired with the roofline of the same run: CPU
+//! expert bytes ÷ measured RAM read bandwidth + resident bytes ÷ device bandwidth + copied
+//! bytes ÷ measured upload rate.
+
+use super::expert_cache::{ExpertCache, ExpertCacheConfig, ExpertCacheStats};
+use super::experts::{upload, HybridExperts, Placement};
+use super::zipf::ZipfRouter;
+use crate::backend::cpu::experts::bench::read_bandwidth;
+use crate::backend::cpu::experts::{ExpertLayout, ExpertPool, ExpertSet, ExpertShape, RowFormat};
+use crate::backend::cpu::simd::Isa;
+use crate::backend::{Backend, MoeRouting};
+use crate::model::layers::moe::RoutedExperts;
+use anyhow::Result;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct HybridBenchOptions {
+    pub format: RowFormat,
+    pub down_format: RowFormat,
+    /// Simulated MoE layers (host RAM: `layers × experts × expert bytes`).
+    pub layers: usize,
+    /// Layers of the model the figures are scaled to (48 for Flash-Next).
+    pub model_layers: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// VRAM left for the expert cache over the whole model, in bytes (0: all on CPU).
+    pub cache_bytes: u64,
+    pub zipf_exponent: f64,
+    pub warmup_tokens: usize,
+    pub tokens: usize,
+    /// CPU expert workers (0: one per physical core).
+    pub threads: usize,
+    pub seed: u64,
+    /// Device read bandwidth (bytes/s) for the resident side's roofline; `None` on the CPU
+    /// stand-in (the resident side then counts at the RAM bandwidth).
+    pub device_bandwidth: Option<f64>,
+    /// Size of the RAM bandwidth probe (far above the last-level cache).
+    pub bandwidth_probe_bytes: usize,
+}
+
+struct RunFigures {
+    seconds_per_token: f64,
+    stats: ExpertCacheStats,
+    admissions_bytes_per_token: f64,
+}
+
+fn run_once<B: Backend>(
+    b: &B,
+    o: &HybridBenchOptions,
+    sets: &[Arc<ExpertSet>],
+    pool: &Arc<ExpertPool>,
+    slots: usize,
+) -> Result<RunFigures> {
+    let cache = Arc::new(Mutex::new(ExpertCache::new(
+        o.layers,
+        o.experts,
+        ExpertCacheConfig {
+            slots,
+            ..ExpertCacheConfig::default()
+        },
+    )));
+    let layers: Vec<HybridExperts<B>> = sets
+        .iter()
+        .enumerate()
+        .map(|(l, set)| {
+            HybridExperts::new(
+                b,
+                l,
+                set.clone(),
+                pool.clone(),
+                Isa::detect(),
+                Placement::Cached(cache.clone()),
+            )
+        })
+        .collect::<Result<_>>()?;
+    let mut router = ZipfRouter::new(o.layers, o.experts, o.top_k, o.zipf_exponent, o.seed);
+    let x_host: Vec<f32> = (0..o.hidden)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
+        .collect();
+    let x = b.from_host(1, o.hidden, &x_host);
+    let step = |routes: &[MoeRouting]| {
+        for (l, r) in routes.iter().enumerate() {
+            let y = layers[l].forward(b, &x, r);
+            // The next layer needs this one's output: wait for it, as decode does.
+            std::hint::black_box(b.to_host(&y));
+        }
+    };
+    for _ in 0..o.warmup_tokens {
+        let routes: Vec<MoeRouting> = (0..o.layers).map(|l| router.route(l, 1)).collect();
+        step(&routes);
+    }
+    let before = cache.lock().expect("cache").stats();
+    let routes: Vec<Vec<MoeRouting>> = (0..o.tokens)
+        .map(|_| (0..o.layers).map(|l| router.route(l, 1)).collect())
+        .collect();
+    let t0 = Instant::now();
+    for r in &routes {
+        step(r);
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    let after = cache.lock().expect("cache").stats();
+    let stats = ExpertCacheStats {
+        lookups: after.lookups - before.lookups,
+        hits: after.hits - before.hits,
+        admissions: after.admissions - before.admissions,
+        evictions: after.evictions - before.evictions,
+        tokens: after.tokens - before.tokens,
+    };
+    let expert_bytes = sets[0].layout.weight_bytes() as f64;
+    Ok(RunFigures {
+        seconds_per_token: seconds / o.tokens as f64,
+        admissions_bytes_per_token: stats.admissions as f64 * expert_bytes / o.tokens as f64,
+        stats,
+    })
+}
+
+/// Runs the bench with the cache and without it; returns the JSON report.
+pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
+    let shape = ExpertShape {
+        hidden: o.hidden,
+        intermediate: o.intermediate,
+    };
+    let layout = ExpertLayout::new(o.format, o.down_format, shape)?;
+    let expert_bytes = layout.weight_bytes() as f64;
+    let pool = Arc::new(ExpertPool::new(
+        if o.threads == 0 {
+            crate::backend::cpu::experts::pool::physical_cores().len()
+        } else {
+            o.threads
+        },
+        true,
+    ));
+    eprintln!(
+        "hybrid bench: {} layers × {} experts of {:.2} MB ({}) in host RAM ({:.1} GB)…",
+        o.layers,
+        o.experts,
+        expert_bytes / 1e6,
+        o.format.name(),
+        o.layers as f64 * o.experts as f64 * layout.record_bytes as f64 / 1e9
+    );
+    let sets: Vec<Arc<ExpertSet>> = (0..o.layers)
+        .map(|l| {
+            let mut set = ExpertSet::zeroed(layout, o.experts);
+            set.randomize(o.seed.wrapping_add(l as u64));
+            // One tensor scale for gate and up, as checkpoints that fuse them have.
+            for e in 0..o.experts {
+                let [g, _, d] = set.multipliers(e);
+                set.set_multipliers(e, [g, g, d]);
+            }
+            Arc::new(set)
+        })
+        .collect();
+    let ram_bandwidth = read_bandwidth(&pool, o.bandwidth_probe_bytes, 3);
+
+    // Upload rate of expert records (host → device as the cache copies them).
+    let probe = 16.min(o.experts);
+    let t0 = Instant::now();
+    let copies: Vec<_> = (0..probe)
+        .map(|e| upload(b, &sets[0], e))
+        .collect::<Result<_>>()?;
+    let probe_x = b.zeros(1, 1);
+    std::hint::black_box(b.to_host(&probe_x));
+    let upload_rate = probe as f64 * expert_bytes / t0.elapsed().as_secs_f64();
+    drop(copies);
+
+    let total_experts = o.model_layers * o.experts;
+    let model_slots = (o.cache_bytes as f64 / expert_bytes) as usize;
+    let slots = (model_slots.min(total_experts) * o.layers) / o.model_layers;
+    let device_bandwidth = o.device_bandwidth.unwrap_or(ram_bandwidth);
+    let scale = o.model_layers as f64 / o.layers as f64;
+
+    let report = |f: &RunFigures| -> Value {
+        let lookups_per_token = f.stats.lookups as f64 / o.tokens as f64;
+        let host_per_token = (f.stats.lookups - f.stats.hits) as f64 / o.tokens as f64;
+        let resident_per_token = lookups_per_token - host_per_token;
+        let roofline_s = (host_per_token * expert_bytes / ram_bandwidth
+            + resident_per_token * expert_bytes / device_bandwidth
+            + f.admissions_bytes_per_token / upload_rate)
+            * scale;
+        let measured_s = f.seconds_per_token * scale;
+        json!({
+            "moe_seconds_per_token": measured_s,
+            "moe_tokens_per_s": 1.0 / measured_s,
+            "hit_rate": f.stats.hit_rate(),
+            "cpu_experts_per_token": host_per_token * scale,
+            "gpu_experts_per_token": resident_per_token * scale,
+            "copied_bytes_per_token": f.admissions_bytes_per_token * scale,
+            "placement_roofline_seconds_per_token": roofline_s,
+            "placement_roofline_ratio": roofline_s / measured_s,
+            "cpu_expert_bytes_per_s": host_per_token * expert_bytes / f.seconds_per_token,
+            "cpu_bandwidth_ratio": host_per_token * expert_bytes / f.seconds_per_token / ram_bandwidth,
+        })
+    };
+    eprintln!(
+        "with the expert cache ({slots} slots over {} simulated layers)…",
+        o.layers
+    );
+    let cached = run_once(b, o, &sets, &pool, slots)?;
+    eprintln!("all routed experts on the CPU…");
+    let all_cpu = run_once(b, o, &sets, &pool, 0)?;
+    let hit = cached.stats.hit_rate();
+    Ok(json!({
+        "bench": "hybrid-experts",
+        "backend": b.name(),
+        "format": o.format.name(),
+        "down_format": o.down_format.name(),
+        "shape": {"layers_simulated": o.layers, "model_layers": o.model_layers, "experts": o.experts,
+                   "top_k": o.top_k, "hidden": o.hidden, "intermediate": o.intermediate},
+        "expert_bytes": expert_bytes,
+        "zipf_exponent": o.zipf_exponent,
+        "tokens": o.tokens,
+        "warmup_tokens": o.warmup_tokens,
+        "threads": pool.threads(),
+        "isa": Isa::detect().name(),
+        "cache_bytes": o.cache_bytes,
+        "cache_slots_model": model_slots.min(total_experts),
+        "cache_slots_simulated": slots,
+        "measured": {
+            "ram_read_bytes_per_s": ram_bandwidth,
+            "device_bytes_per_s": device_bandwidth,
+            "device_bandwidth_measured": o.device_bandwidth.is_some(),
+            "expert_upload_bytes_per_s": upload_rate,
+        },
+        "with_cache": report(&cached),
+        "all_on_cpu": report(&all_cpu),
+        "cache_speedup_ratio": all_cpu.seconds_per_token / cached.seconds_per_token,
+        "speedup_predicted_by_hit_rate_ratio": 1.0 / (1.0 - hit).max(1e-9),
+        "note": "routed experts of the MoE layers only (dense layer work is in the CUDA bench); per-token figures scaled from the simulated layers to the model's",
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn small_run_reports_consistent_figures() {
+        let o = HybridBenchOptions {
+            format: RowFormat::Ggml(GgmlType::Q8_0),
+            down_format: RowFormat::Ggml(GgmlType::Q8_0),
+            layers: 2,
+            model_layers: 4,
+            experts: 16,
+            top_k: 2,
+            hidden: 64,
+            intermediate: 32,
+            cache_bytes: 8 * 64 * 32 * 3 * 34 / 32,
+            zipf_exponent: 1.2,
+            warmup_tokens: 8,
+            tokens: 16,
+            threads: 1,
+            seed: 3,
+            device_bandwidth: None,
+            bandwidth_probe_bytes: 1 << 24,
+        };
+        let r = run(&CpuBackend::new(), &o).unwrap();
+        assert_eq!(r["cache_slots_model"], 8);
+        assert_eq!(r["cache_slots_simulated"], 4);
+        let with = &r["with_cache"];
+        let cpu = &r["all_on_cpu"];
+        assert_eq!(cpu["hit_rate"], 0.0);
+        let per_token = cpu["cpu_experts_per_token"].as_f64().unwrap();
+        assert!(
+            (per_token - 8.0).abs() < 1e-9,
+            "4 layers × top-2: {per_token}"
+        );
+        let h = with["hit_rate"].as_f64().unwrap();
+        assert!(h > 0.0 && h < 1.0, "{h}");
+        let split = with["cpu_experts_per_token"].as_f64().unwrap()
+            + with["gpu_experts_per_token"].as_f64().unwrap();
+        assert!((split - 8.0).abs() < 1e-9);
+        assert!(with["placement_roofline_ratio"].as_f64().unwrap() > 0.0);
+    }
+}
