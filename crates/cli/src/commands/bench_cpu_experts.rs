@@ -40,7 +40,8 @@ pub struct BenchCpuExpertsArgs {
     pub seed: u64,
 }
 
-/// Runs the bench (ISA: the detected one, or `CAPY_CPU_ISA=scalar|avx2|avx512`).
+/// Runs the bench (ISA: the detected one, or `CAPY_CPU_ISA=scalar|avx2|avx512`; math path:
+/// fast, or exact with `CAPY_EXACT_MATH=1`).
 pub fn run(args: BenchCpuExpertsArgs) -> Result<serde_json::Value> {
     let params = BenchParams {
         format: RowFormat::parse(&args.format)?,
@@ -57,6 +58,7 @@ pub fn run(args: BenchCpuExpertsArgs) -> Result<serde_json::Value> {
         intermediate: args.intermediate,
         iters: args.iters,
         isa: Isa::detect(),
+        path: capy_engine::backend::cpu::experts::fused::math_path(),
         bandwidth_mib: args.bandwidth_mib,
         seed: args.seed,
     };

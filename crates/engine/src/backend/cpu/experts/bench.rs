@@ -7,8 +7,10 @@
 //! call touches (each is read once per call) over the call's time, so the ratio of the two
 //! says how close the kernels come to streaming weights at memory speed.
 
+use super::fused::{self, ActSpec, MathPath};
 use super::{
-    moe_experts, ExpertLayout, ExpertPool, ExpertSet, ExpertShape, MoeScratch, RowFormat, SplitMix,
+    moe_experts_with, ExpertLayout, ExpertPool, ExpertSet, ExpertShape, MoeScratch, RowFormat,
+    SplitMix,
 };
 use crate::backend::cpu::simd::Isa;
 use anyhow::{bail, Result};
@@ -29,6 +31,8 @@ pub struct BenchParams {
     pub intermediate: usize,
     pub iters: usize,
     pub isa: Isa,
+    /// Exact (f32 activations) or fast (int8 activations where a fused kernel exists).
+    pub path: MathPath,
     /// Size of the bandwidth buffer in MiB.
     pub bandwidth_mib: usize,
     pub seed: u64,
@@ -186,9 +190,10 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         }
         out.iter_mut().for_each(|v| *v = 0.0);
         let start = Instant::now();
-        moe_experts(
+        moe_experts_with(
             &pool,
             p.isa,
+            p.path,
             &set,
             &x,
             &ids,
@@ -203,6 +208,37 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         }
     }
     std::hint::black_box(&out);
+    // The fast path's deviation from the exact one on the last call's routing.
+    let fast_vs_exact = if p.path == MathPath::Fast {
+        let mut exact = vec![0f32; x.len()];
+        moe_experts_with(
+            &pool,
+            p.isa,
+            MathPath::Exact,
+            &set,
+            &x,
+            &ids,
+            &weights,
+            p.top_k,
+            &mut exact,
+            &mut scratch,
+        )?;
+        let max_exact = exact.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        let max_diff = out
+            .iter()
+            .zip(&exact)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs())) as f64;
+        let l2 = |v: &mut dyn Iterator<Item = f64>| v.map(|d| d * d).sum::<f64>().sqrt();
+        let diff_l2 = l2(&mut out.iter().zip(&exact).map(|(a, b)| (a - b) as f64));
+        let exact_l2 = l2(&mut exact.iter().map(|&a| a as f64));
+        json!({
+            "max_abs_diff_over_max_abs_exact": max_diff / max_exact,
+            "l2_diff_over_l2_exact": diff_l2 / exact_l2,
+        })
+    } else {
+        serde_json::Value::Null
+    };
+    let kind = |f: RowFormat, k: usize| format!("{:?}", ActSpec::new(p.isa, p.path, f, k).kind);
     let weight_bytes = layout.weight_bytes() as f64;
     let pairs = (p.batch * p.top_k) as f64;
     let flops_per_call = 2.0 * pairs * 3.0 * p.hidden as f64 * p.intermediate as f64;
@@ -228,7 +264,14 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
             "format": p.format.name(),
             "down_format": down_format.name(),
             "isa": p.isa.name(),
-            "path": "exact (f32 activations on dequantised weights)",
+            "path": p.path.name(),
+            "path_note": match p.path {
+                MathPath::Exact => "f32 activations on the dequantised weights (CAPY_EXACT_MATH=1)",
+                MathPath::Fast => "int8 activations per block, integer dot products (VNNI on AVX-512, maddubs on AVX2) where a fused kernel exists",
+            },
+            "kernel_gate_up": kind(p.format, p.hidden),
+            "kernel_down": kind(down_format, p.intermediate),
+            "vnni": fused::has_vnni(),
             "threads": threads,
             "batch": p.batch,
             "experts": p.experts,
@@ -247,5 +290,6 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         "gflops": flops_per_call * samples.len() as f64 / total_secs / 1e9,
         "ms_per_call": total_secs / samples.len().max(1) as f64 * 1e3,
         "tokens_per_s": p.batch as f64 * samples.len() as f64 / total_secs,
+        "fast_vs_exact": fast_vs_exact,
     }))
 }

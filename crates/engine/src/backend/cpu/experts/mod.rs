@@ -9,19 +9,26 @@
 //! up rows interleaved (row `2i` = gate row `i`, row `2i + 1` = up row `i`), then `H` down
 //! rows of `I` weights, every row in one [`RowFormat`]; records are padded to 64 bytes.
 //!
-//! Computation (the exact path): each row is dequantised to f32 into per-worker scratch with
-//! the chosen ISA (bit-identical on every ISA), then dotted with f32 activations. Work is
-//! split in two phases on the [`ExpertPool`]: (1) tasks of (active expert, block of gate/up
-//! rows) write `h = silu(g) · u`; (2) tasks of blocks of output rows run over every active
-//! expert's down rows, in expert order, so each output element has one writer and the result
-//! does not depend on the thread count.
+//! Computation: rows are dotted with the activations by the fused kernels of [`fused`]
+//! (blocks decoded in registers, no scratch row; f32 on the exact path, int8 activations on
+//! the fast path, chosen by `CAPY_EXACT_MATH`), or, for formats without a fused kernel, each
+//! row is dequantised into per-worker scratch (bit-identical on every ISA) and dotted in f32.
+//! Work is split in phases on the [`ExpertPool`]: (0) tokens are prepared for the gate/up
+//! kernels; (1) tasks of (active expert, block of 16 gate/up row pairs) write
+//! `h = silu(g) · u` — at batch 1 the ~10 routed experts make ~400 tasks, so all cores stay
+//! busy; (1b) each pair's `h` is prepared for the down kernels; (2) tasks of blocks of 32
+//! output rows run over every active expert's down rows, in expert order, so each output
+//! element has one writer and the result does not depend on the thread count.
 
 pub mod bench;
 pub mod dot;
 pub mod format;
+pub mod fused;
 pub mod pool;
 
 pub use format::RowFormat;
+use fused::Act;
+pub use fused::MathPath;
 pub use pool::ExpertPool;
 
 use super::ops::silu;
@@ -306,6 +313,7 @@ fn fix_block(fmt: RowFormat, b: &mut [u8], rng: &mut SplitMix) {
 /// Per-call scratch, sized once for the largest batch; reused without allocation.
 pub struct MoeScratch {
     max_pairs: usize,
+    max_tokens: usize,
     shape: ExpertShape,
     counts: Vec<u32>,
     /// Active experts in increasing id order and where their pairs start in `pairs`.
@@ -314,27 +322,77 @@ pub struct MoeScratch {
     /// (token, weight) per routed pair, grouped by expert.
     pairs: Vec<(u32, f32)>,
     /// `h` rows, one per pair: `silu(g) · u`, `I` values.
-    h: SharedBuf,
-    /// Per-worker dequantisation buffers of `max(H, I)` values.
-    rows: Vec<SharedBuf>,
+    h: SharedBuf<f32>,
+    /// Tokens prepared for the gate/up rows, pairs' `h` prepared for the down rows.
+    x_act: ActBufs,
+    h_act: ActBufs,
+    /// Per-worker dequantisation buffers of `max(H, I)` values (formats without a fused
+    /// kernel).
+    rows: Vec<SharedBuf<f32>>,
+}
+
+/// Prepared activation vectors (see [`fused::prepare`]), `k` values each.
+struct ActBufs {
+    k: usize,
+    sl: usize,
+    f: SharedBuf<f32>,
+    q: SharedBuf<i8>,
+    s: SharedBuf<f32>,
+    sums: SharedBuf<f32>,
+}
+
+impl ActBufs {
+    fn new(n: usize, k: usize) -> ActBufs {
+        let sl = fused::ActSpec::scales_len(k);
+        ActBufs {
+            k,
+            sl,
+            f: SharedBuf::new(n * k),
+            q: SharedBuf::new(n * k),
+            s: SharedBuf::new(n * sl),
+            sums: SharedBuf::new(n * sl),
+        }
+    }
+    /// SAFETY: no other live reference to vector `v`.
+    unsafe fn prepare(&self, spec: &fused::ActSpec, v: usize, x: &[f32]) {
+        let (k, sl) = (self.k, self.sl);
+        fused::prepare(
+            spec,
+            x,
+            self.f.slice_mut(v * k..(v + 1) * k),
+            self.q.slice_mut(v * k..(v + 1) * k),
+            self.s.slice_mut(v * sl..(v + 1) * sl),
+            self.sums.slice_mut(v * sl..(v + 1) * sl),
+        );
+    }
+    /// SAFETY: vector `v` is not being written.
+    unsafe fn get(&self, v: usize) -> Act<'_> {
+        let (k, sl) = (self.k, self.sl);
+        Act {
+            f: self.f.slice(v * k..(v + 1) * k),
+            q: self.q.slice(v * k..(v + 1) * k),
+            s: self.s.slice(v * sl..(v + 1) * sl),
+            sums: self.sums.slice(v * sl..(v + 1) * sl),
+        }
+    }
 }
 
 /// A buffer written by disjoint ranges from several workers.
-struct SharedBuf(UnsafeCell<Vec<f32>>);
+struct SharedBuf<T>(UnsafeCell<Vec<T>>);
 // SAFETY: workers write disjoint ranges (one task owns each range), and reads of a phase's
 // output happen only after `ExpertPool::run` has returned (a full barrier).
-unsafe impl Sync for SharedBuf {}
-impl SharedBuf {
+unsafe impl<T: Send> Sync for SharedBuf<T> {}
+impl<T: Copy + Default> SharedBuf<T> {
     fn new(n: usize) -> Self {
-        SharedBuf(UnsafeCell::new(vec![0f32; n]))
+        SharedBuf(UnsafeCell::new(vec![T::default(); n]))
     }
     #[allow(clippy::mut_from_ref)]
     /// SAFETY: the caller guarantees no other live reference overlaps `range`.
-    unsafe fn slice_mut(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+    unsafe fn slice_mut(&self, range: std::ops::Range<usize>) -> &mut [T] {
         let v = &mut *self.0.get();
         &mut v[range]
     }
-    unsafe fn slice(&self, range: std::ops::Range<usize>) -> &[f32] {
+    unsafe fn slice(&self, range: std::ops::Range<usize>) -> &[T] {
         let v = &*self.0.get();
         &v[range]
     }
@@ -353,12 +411,15 @@ impl MoeScratch {
         let max_pairs = max_tokens * top_k;
         MoeScratch {
             max_pairs,
+            max_tokens,
             shape,
             counts: vec![0; experts],
             active: Vec::with_capacity(max_pairs),
             active_start: Vec::with_capacity(max_pairs + 1),
             pairs: vec![(0, 0.0); max_pairs],
             h: SharedBuf::new(max_pairs * shape.intermediate),
+            x_act: ActBufs::new(max_tokens, shape.hidden),
+            h_act: ActBufs::new(max_pairs, shape.intermediate),
             rows: (0..workers)
                 .map(|_| SharedBuf::new(shape.hidden.max(shape.intermediate)))
                 .collect(),
@@ -366,11 +427,14 @@ impl MoeScratch {
     }
 }
 
-/// Rows per phase-1 task (gate/up pairs) and per phase-2 task (output rows).
+/// Gate/up row pairs per phase-1 task, output rows per phase-2 task, and the most pairs of
+/// one expert handed to a kernel at once.
 const GATE_UP_ROWS_PER_TASK: usize = 16;
 const DOWN_ROWS_PER_TASK: usize = 32;
+const PAIRS_PER_CHUNK: usize = 32;
 
-/// `out[t] += Σ_k weights[t·k] · expert_{ids[t·k]}(x[t])` for `n = x.len() / H` tokens.
+/// `out[t] += Σ_k weights[t·k] · expert_{ids[t·k]}(x[t])` for `n = x.len() / H` tokens, on
+/// the process's math path ([`fused::math_path`]: fast unless `CAPY_EXACT_MATH=1`).
 ///
 /// `ids`/`weights` hold `top_k` entries per token (as `MoeRouting`). `isa` must be supported
 /// by the CPU (use [`Isa::detect`]). Allocation-free once `scratch` is sized.
@@ -378,6 +442,34 @@ const DOWN_ROWS_PER_TASK: usize = 32;
 pub fn moe_experts(
     pool: &ExpertPool,
     isa: Isa,
+    set: &ExpertSet,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    out: &mut [f32],
+    scratch: &mut MoeScratch,
+) -> Result<()> {
+    moe_experts_with(
+        pool,
+        isa,
+        fused::math_path(),
+        set,
+        x,
+        ids,
+        weights,
+        top_k,
+        out,
+        scratch,
+    )
+}
+
+/// [`moe_experts`] on an explicit math path.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_with(
+    pool: &ExpertPool,
+    isa: Isa,
+    path: MathPath,
     set: &ExpertSet,
     x: &[f32],
     ids: &[u32],
@@ -405,11 +497,12 @@ pub fn moe_experts(
         );
     }
     if ids.len() > scratch.max_pairs
+        || n > scratch.max_tokens
         || scratch.shape != set.layout.shape
         || scratch.rows.len() < pool.threads()
         || scratch.counts.len() < set.experts
     {
-        bail!("moe_experts: scratch was sized for {} pairs / shape {:?} / {} workers, called with {} pairs / {:?} / {} workers", scratch.max_pairs, scratch.shape, scratch.rows.len(), ids.len(), set.layout.shape, pool.threads());
+        bail!("moe_experts: scratch was sized for {} pairs / {} tokens / shape {:?} / {} workers, called with {} pairs / {n} tokens / {:?} / {} workers", scratch.max_pairs, scratch.max_tokens, scratch.shape, scratch.rows.len(), ids.len(), set.layout.shape, pool.threads());
     }
     if isa > Isa::best_supported() {
         bail!(
@@ -449,18 +542,43 @@ pub fn moe_experts(
         s.pairs[*cursor as usize] = ((p / top_k) as u32, w);
         *cursor += 1;
     }
+    let n_pairs = ids.len();
 
-    let (fmt, down_fmt) = (set.layout.format, set.layout.down_format);
+    let l = set.layout;
+    let gu_spec = fused::ActSpec::new(isa, path, l.format, h_dim);
+    let down_spec = fused::ActSpec::new(isa, path, l.down_format, i_dim);
     let (active, active_start, pairs, hbuf, rows) =
         (&s.active, &s.active_start, &s.pairs, &s.h, &s.rows);
+    let (x_act, h_act) = (&s.x_act, &s.h_act);
+    let empty = Act {
+        f: &[],
+        q: &[],
+        s: &[],
+        sums: &[],
+    };
 
-    // Phase 1: h[pair] = silu(gate · x) ⊙ (up · x).
+    // Phase 0: tokens into the gate/up kernels' activation layout.
+    let next = AtomicUsize::new(0);
+    pool.run(&|_| loop {
+        let t = next.fetch_add(1, Ordering::Relaxed);
+        if t >= n {
+            break;
+        }
+        // SAFETY: token t's vectors are written by this task only.
+        unsafe { x_act.prepare(&gu_spec, t, &x[t * h_dim..(t + 1) * h_dim]) };
+    });
+
+    // Phase 1: h[pair] = silu(gate · x) ⊙ (up · x); tasks are (expert, block of row pairs),
+    // so the ~10 experts of a decode step spread over every core.
     let blocks_per_expert = i_dim.div_ceil(GATE_UP_ROWS_PER_TASK);
     let tasks = active.len() * blocks_per_expert;
     let next = AtomicUsize::new(0);
+    let gu_row = l.gate_up_row_bytes;
     pool.run(&|worker| {
         // SAFETY: each worker uses only its own row buffer.
-        let row = unsafe { rows[worker].slice_mut(0..h_dim) };
+        let scratch_row = unsafe { rows[worker].slice_mut(0..h_dim) };
+        let mut acts = [empty; PAIRS_PER_CHUNK];
+        let mut res = [0f32; 2 * GATE_UP_ROWS_PER_TASK * PAIRS_PER_CHUNK];
         loop {
             let t = next.fetch_add(1, Ordering::Relaxed);
             if t >= tasks {
@@ -470,44 +588,61 @@ pub fn moe_experts(
             let e = active[a] as usize;
             let [mg, mu, _] = set.multipliers(e);
             let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
-            for i in blk * GATE_UP_ROWS_PER_TASK..((blk + 1) * GATE_UP_ROWS_PER_TASK).min(i_dim) {
-                let mut g = [0f32; 32];
-                let mut u = [0f32; 32];
-                let mut done = 0;
-                // Pairs in chunks of 32 (more than 32 tokens on one expert is rare).
-                while done < p1 - p0 {
-                    let chunk = (p1 - p0 - done).min(32);
-                    format::dequantize_row(isa, fmt, set.row(e, ExpertMatrix::Gate, i), row);
-                    for (c, gv) in g[..chunk].iter_mut().enumerate() {
-                        let tok = pairs[p0 + done + c].0 as usize;
-                        *gv = dot::dot(isa, row, &x[tok * h_dim..(tok + 1) * h_dim]) * mg;
-                    }
-                    format::dequantize_row(isa, fmt, set.row(e, ExpertMatrix::Up, i), row);
-                    for (c, uv) in u[..chunk].iter_mut().enumerate() {
-                        let tok = pairs[p0 + done + c].0 as usize;
-                        *uv = dot::dot(isa, row, &x[tok * h_dim..(tok + 1) * h_dim]) * mu;
-                    }
-                    for (c, (gv, uv)) in g[..chunk].iter().zip(&u[..chunk]).enumerate() {
+            let (i0, i1) = (
+                blk * GATE_UP_ROWS_PER_TASK,
+                ((blk + 1) * GATE_UP_ROWS_PER_TASK).min(i_dim),
+            );
+            // Gate and up rows are interleaved: rows 2·i0 .. 2·i1 are contiguous.
+            let start = set.row_range(ExpertMatrix::Gate, i0).start;
+            let bytes = &set.record(e)[start..start + 2 * (i1 - i0) * gu_row];
+            let mut done = 0;
+            while done < p1 - p0 {
+                let chunk = (p1 - p0 - done).min(PAIRS_PER_CHUNK);
+                for (c, act) in acts[..chunk].iter_mut().enumerate() {
+                    // SAFETY: phase 0 finished (barrier); token vectors are only read now.
+                    *act = unsafe { x_act.get(pairs[p0 + done + c].0 as usize) };
+                }
+                let r = &mut res[..2 * (i1 - i0) * chunk];
+                fused::dots(&gu_spec, bytes, gu_row, &acts[..chunk], r, scratch_row);
+                for i in i0..i1 {
+                    for c in 0..chunk {
+                        let g = r[2 * (i - i0) * chunk + c] * mg;
+                        let u = r[(2 * (i - i0) + 1) * chunk + c] * mu;
                         let p = p0 + done + c;
                         // SAFETY: element (p, i) is written by this task only.
                         unsafe {
-                            hbuf.slice_mut(p * i_dim + i..p * i_dim + i + 1)[0] = silu(*gv) * uv
+                            hbuf.slice_mut(p * i_dim + i..p * i_dim + i + 1)[0] = silu(g) * u
                         };
                     }
-                    done += chunk;
                 }
+                done += chunk;
             }
         }
     });
 
-    // Phase 2: out[token][j] += w · (down_e[j] · h[pair]), experts in id order.
+    // Phase 1b: each pair's h into the down kernels' activation layout.
+    let next = AtomicUsize::new(0);
+    pool.run(&|_| loop {
+        let p = next.fetch_add(1, Ordering::Relaxed);
+        if p >= n_pairs {
+            break;
+        }
+        // SAFETY: phase 1 finished (barrier); pair p's vectors are written by this task only.
+        unsafe { h_act.prepare(&down_spec, p, hbuf.slice(p * i_dim..(p + 1) * i_dim)) };
+    });
+
+    // Phase 2: out[token][j] += w · (down_e[j] · h[pair]), experts in id order; tasks are
+    // blocks of output rows, so each output element has one writer.
     let down_tasks = h_dim.div_ceil(DOWN_ROWS_PER_TASK);
     let next = AtomicUsize::new(0);
     let out_buf = SharedOut(out.as_mut_ptr(), out.len());
     let out_ref = &out_buf;
+    let d_row = l.down_row_bytes;
     pool.run(&|worker| {
         // SAFETY: each worker uses only its own row buffer.
-        let row = unsafe { rows[worker].slice_mut(0..i_dim) };
+        let scratch_row = unsafe { rows[worker].slice_mut(0..i_dim) };
+        let mut acts = [empty; PAIRS_PER_CHUNK];
+        let mut res = [0f32; DOWN_ROWS_PER_TASK * PAIRS_PER_CHUNK];
         loop {
             let t = next.fetch_add(1, Ordering::Relaxed);
             if t >= down_tasks {
@@ -521,15 +656,26 @@ pub fn moe_experts(
                 let e = e as usize;
                 let md = set.multipliers(e)[2];
                 let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
-                for j in j0..j1 {
-                    format::dequantize_row(isa, down_fmt, set.row(e, ExpertMatrix::Down, j), row);
-                    for (p, &(tok, w)) in pairs.iter().enumerate().take(p1).skip(p0) {
-                        // SAFETY: phase 1 finished (barrier); h rows are only read now.
-                        let hrow = unsafe { hbuf.slice(p * i_dim..(p + 1) * i_dim) };
-                        let y = dot::dot(isa, row, hrow) * md;
-                        // SAFETY: output rows j0..j1 belong to this task only.
-                        unsafe { out_ref.add(tok as usize * h_dim + j, w * y) };
+                let start = set.row_range(ExpertMatrix::Down, j0).start;
+                let bytes = &set.record(e)[start..start + (j1 - j0) * d_row];
+                let mut done = 0;
+                while done < p1 - p0 {
+                    let chunk = (p1 - p0 - done).min(PAIRS_PER_CHUNK);
+                    for (c, act) in acts[..chunk].iter_mut().enumerate() {
+                        // SAFETY: phase 1b finished (barrier); h vectors are only read now.
+                        *act = unsafe { h_act.get(p0 + done + c) };
                     }
+                    let r = &mut res[..(j1 - j0) * chunk];
+                    fused::dots(&down_spec, bytes, d_row, &acts[..chunk], r, scratch_row);
+                    for j in j0..j1 {
+                        for c in 0..chunk {
+                            let (tok, w) = pairs[p0 + done + c];
+                            let y = r[(j - j0) * chunk + c] * md;
+                            // SAFETY: output rows j0..j1 belong to this task only.
+                            unsafe { out_ref.add(tok as usize * h_dim + j, w * y) };
+                        }
+                    }
+                    done += chunk;
                 }
             }
         }

@@ -1,0 +1,1128 @@
+//! Fused dequantise-and-dot kernels: a block is decoded into registers and multiplied with
+//! the activations directly (no scratch row), several weight rows per call, and each decoded
+//! block is reused for up to four activation vectors (tokens routed to the same expert)
+//! while it is in registers.
+//!
+//! Two paths (chosen once per process from `CAPY_EXACT_MATH`, see [`math_path`]):
+//!
+//! - **Exact**: f32 activations times the dequantised weights. The kernels reassociate the
+//!   sum (per-group partial sums are multiplied by the group's scale, lanes are summed at the
+//!   end), so they differ from the scalar reference (`format::dequantize_row_scalar` followed
+//!   by `simd::dot_scalar`) only by float rounding: `|Δ| ≤ 1e-5 · Σ|wᵢxᵢ|` per dot product at
+//!   the lengths used (≤ 4096; tested in `tests/quant_experts.rs` on every ISA).
+//! - **Fast** (the default where a fused fast kernel exists): activations are quantised to
+//!   int8 per block (`q = round(x / d)`, `d = max|x| / 127`; blocks of 64 for NVFP4 and Q2_0,
+//!   32 for IQ3_S), and the integer weights (NVFP4's doubled E2M1 values, IQ3_S grid values
+//!   with their signs, Q2_0 codes) are dotted with them in integer arithmetic: VNNI
+//!   `vpdpbusd` on AVX-512, `vpmaddubsw` + `vpmaddwd` on AVX2, as llama.cpp does. The integer
+//!   group sums are exact and identical on every ISA (the scalar fast kernel is the
+//!   reference); only the final f32 combination of `scale × group sum` is reassociated.
+//!   The deviation from the exact path comes from rounding the activations; it is measured
+//!   by `bench cpu-experts` (key `fast_vs_exact`) and by the tests.
+//!
+//! Formats without a fused kernel (FP8, Q8_0, the IQ2/IQ3_XXS types, float rows) fall back to
+//! dequantising a row into the worker's scratch and dotting it in f32 (both paths).
+//!
+//! Activations are prepared once per call ([`prepare`]) into the layout the kernels read:
+//! NVFP4 exact: per 32 values, the 16 even then the 16 odd ones (the low and high nibbles of
+//! 16 code bytes); NVFP4 fast: the same per 128 values (64 + 64); Q2_0: per 64 values, value
+//! `4b + j` at `16j + b` (the `j`-th 2-bit field of byte `b`); otherwise natural order.
+
+use super::format::{dequantize_row, RowFormat};
+use crate::backend::cpu::simd::Isa;
+use crate::quant::fp8::E4M3_TO_F32;
+use crate::quant::ggml::GgmlType;
+use crate::quant::iq_tables::IQ3S_GRID;
+use crate::quant::nvfp4::E2M1_DOUBLED;
+use std::sync::OnceLock;
+
+/// Which arithmetic the expert kernels use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum MathPath {
+    /// f32 activations on the dequantised weights (matches the reference model).
+    Exact,
+    /// int8 activations per block, integer dot products (where a fused kernel exists).
+    Fast,
+}
+
+impl MathPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            MathPath::Exact => "exact",
+            MathPath::Fast => "fast",
+        }
+    }
+}
+
+/// The path for this process: `CAPY_EXACT_MATH=1` (or `true`) selects [`MathPath::Exact`];
+/// read once, at the first call.
+pub fn math_path() -> MathPath {
+    static PATH: OnceLock<MathPath> = OnceLock::new();
+    *PATH.get_or_init(|| match std::env::var("CAPY_EXACT_MATH").ok().as_deref() {
+        Some("1") | Some("true") | Some("yes") => MathPath::Exact,
+        _ => MathPath::Fast,
+    })
+}
+
+/// How a row of `k` weights of `fmt` is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Dequantise into scratch, then an f32 dot product (natural activation order).
+    Dequant,
+    /// Fused f32 kernel.
+    Exact,
+    /// Fused int8 kernel.
+    Fast,
+}
+
+/// The computation chosen for rows of one format and length, and the activation layout it
+/// needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActSpec {
+    pub fmt: RowFormat,
+    pub kind: Kind,
+    pub k: usize,
+    pub isa: Isa,
+}
+
+const NVFP4: RowFormat = RowFormat::Nvfp4;
+const IQ3S: RowFormat = RowFormat::Ggml(GgmlType::Iq3S);
+const Q2_0: RowFormat = RowFormat::Ggml(GgmlType::Q2_0);
+
+/// Whether AVX-512 VNNI is present (the AVX-512 fast kernels need it; without it the AVX2
+/// fast kernels run).
+pub fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+impl ActSpec {
+    pub fn new(isa: Isa, path: MathPath, fmt: RowFormat, k: usize) -> ActSpec {
+        let fast_ok = match fmt {
+            RowFormat::Nvfp4 => k.is_multiple_of(128),
+            RowFormat::Ggml(GgmlType::Iq3S) | RowFormat::Ggml(GgmlType::Q2_0) => true,
+            _ => false,
+        };
+        let exact_ok = isa >= Isa::Avx2 && matches!(fmt, NVFP4 | IQ3S | Q2_0);
+        let kind = if path == MathPath::Fast && fast_ok {
+            Kind::Fast
+        } else if exact_ok {
+            Kind::Exact
+        } else {
+            Kind::Dequant
+        };
+        ActSpec { fmt, kind, k, isa }
+    }
+
+    /// Where value `i` goes in the prepared vector.
+    #[inline]
+    pub fn slot(&self, i: usize) -> usize {
+        match (self.kind, self.fmt) {
+            (Kind::Dequant, _) => i,
+            (kind, RowFormat::Nvfp4) => {
+                let c = if kind == Kind::Fast { 128 } else { 32 };
+                let (base, r) = (i / c * c, i % c);
+                base + if r % 2 == 0 { r / 2 } else { c / 2 + r / 2 }
+            }
+            (_, RowFormat::Ggml(GgmlType::Q2_0)) => {
+                let (base, r) = (i / 64 * 64, i % 64);
+                base + 16 * (r % 4) + r / 4
+            }
+            _ => i,
+        }
+    }
+
+    /// Values per activation scale on the fast path.
+    pub fn qblock(&self) -> usize {
+        match self.fmt {
+            RowFormat::Ggml(GgmlType::Iq3S) => 32,
+            _ => 64,
+        }
+    }
+
+    /// Scales (and block sums) per prepared vector: enough for any format.
+    pub fn scales_len(k: usize) -> usize {
+        k.div_ceil(32)
+    }
+}
+
+/// One prepared activation vector: f32 values (exact and dequant kinds) or int8 values with
+/// a scale and the integer sum per block (fast kind).
+#[derive(Clone, Copy)]
+pub struct Act<'a> {
+    pub f: &'a [f32],
+    pub q: &'a [i8],
+    pub s: &'a [f32],
+    pub sums: &'a [f32],
+}
+
+/// Prepares `x` (natural order, `spec.k` values) for `spec`. For the fast kind, `q`, `s` and
+/// `sums` are written; otherwise `f`.
+pub fn prepare(
+    spec: &ActSpec,
+    x: &[f32],
+    f: &mut [f32],
+    q: &mut [i8],
+    s: &mut [f32],
+    sums: &mut [f32],
+) {
+    assert_eq!(x.len(), spec.k, "prepare: expected {} values", spec.k);
+    if spec.kind != Kind::Fast {
+        for (i, &v) in x.iter().enumerate() {
+            f[spec.slot(i)] = v;
+        }
+        return;
+    }
+    let qb = spec.qblock();
+    for (b, xb) in x.chunks(qb).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (j, &v) in xb.iter().enumerate() {
+            let qv = (v * id).round().clamp(-127.0, 127.0) as i8;
+            q[spec.slot(b * qb + j)] = qv;
+            sum += qv as i32;
+        }
+        s[b] = d;
+        sums[b] = sum as f32;
+    }
+}
+
+/// `out[r · acts.len() + a] = row_r · act_a` for `rows.len() / row_bytes` rows of `spec`.
+/// `scratch` (≥ `spec.k` values) is used by the dequantising fallback only.
+pub fn dots(
+    spec: &ActSpec,
+    rows: &[u8],
+    row_bytes: usize,
+    acts: &[Act<'_>],
+    out: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let nrows = rows.len() / row_bytes;
+    assert_eq!(rows.len(), nrows * row_bytes, "dots: partial row");
+    assert_eq!(out.len(), nrows * acts.len(), "dots: output size");
+    assert!(
+        spec.isa <= Isa::best_supported(),
+        "dots: ISA not supported by this CPU"
+    );
+    let k = spec.k;
+    for a in acts {
+        match spec.kind {
+            Kind::Fast => assert!(
+                a.q.len() >= k
+                    && a.s.len() >= k.div_ceil(spec.qblock())
+                    && a.sums.len() >= k.div_ceil(spec.qblock())
+            ),
+            _ => assert!(a.f.len() >= k),
+        }
+    }
+    match spec.kind {
+        Kind::Dequant => {
+            let w = &mut scratch[..k];
+            for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+                dequantize_row(spec.isa, spec.fmt, row, w);
+                for (a, act) in acts.iter().enumerate() {
+                    out[r * acts.len() + a] = super::dot::dot(spec.isa, w, &act.f[..k]);
+                }
+            }
+        }
+        Kind::Exact | Kind::Fast => {
+            #[cfg(target_arch = "x86_64")]
+            if spec.isa >= Isa::Avx2 {
+                // SAFETY: the ISA is supported (asserted), rows are whole, activations long
+                // enough (asserted).
+                unsafe { x86::dots(spec, rows, row_bytes, acts, out) };
+                return;
+            }
+            // Scalar (only the fast kind reaches here: exact on scalar is `Dequant`).
+            for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+                for (a, act) in acts.iter().enumerate() {
+                    out[r * acts.len() + a] = fast_dot_scalar(spec, row, act);
+                }
+            }
+        }
+    }
+}
+
+/// The fast path's reference: integer group sums of the weights' integer values times the
+/// int8 activations, then `Σ (weight scale · activation scale) · group sum` in f32.
+pub fn fast_dot_scalar(spec: &ActSpec, row: &[u8], act: &Act<'_>) -> f32 {
+    let q = |i: usize| act.q[spec.slot(i)] as i32;
+    let mut acc = 0f32;
+    match spec.fmt {
+        RowFormat::Nvfp4 => {
+            for (b, blk) in row.chunks_exact(36).enumerate() {
+                for g in 0..4 {
+                    let mut isum = 0i32;
+                    for i in 0..8 {
+                        let byte = blk[4 + 8 * g + i];
+                        let w = 64 * b + 16 * g + 2 * i;
+                        isum += E2M1_DOUBLED[(byte & 15) as usize] as i32 * q(w);
+                        isum += E2M1_DOUBLED[(byte >> 4) as usize] as i32 * q(w + 1);
+                    }
+                    let sc = E4M3_TO_F32[blk[g] as usize] * 0.5 * act.s[b];
+                    acc = sc.mul_add(isum as f32, acc);
+                }
+            }
+        }
+        RowFormat::Ggml(GgmlType::Iq3S) => {
+            for (b, blk) in row.chunks_exact(110).enumerate() {
+                let d = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
+                for sub in 0..8 {
+                    let s = (blk[106 + sub / 2] >> (4 * (sub % 2))) & 0x0f;
+                    let db = d * (1 + 2 * s as u32) as f32;
+                    let mut isum = 0i32;
+                    for e in 0..8 {
+                        let i = 8 * sub + e;
+                        let index =
+                            blk[2 + i] as usize | ((((blk[66 + sub] >> e) & 1) as usize) << 8);
+                        let grid = IQ3S_GRID[index].to_le_bytes();
+                        for (j, &m) in grid.iter().enumerate() {
+                            let w = 4 * i + j;
+                            let neg = (blk[74 + w / 8] >> (w % 8)) & 1 != 0;
+                            let v = if neg { -(m as i32) } else { m as i32 };
+                            isum += v * q(256 * b + w);
+                        }
+                    }
+                    acc = (db * act.s[8 * b + sub]).mul_add(isum as f32, acc);
+                }
+            }
+        }
+        RowFormat::Ggml(GgmlType::Q2_0) => {
+            for (b, blk) in row.chunks_exact(18).enumerate() {
+                let d = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
+                let mut isum = 0i32;
+                for (bi, &byte) in blk[2..18].iter().enumerate() {
+                    for j in 0..4 {
+                        isum += ((byte >> (2 * j)) & 3) as i32 * q(64 * b + 4 * bi + j);
+                    }
+                }
+                let sc = d * act.s[b];
+                acc = sc.mul_add(isum as f32 - act.sums[b], acc);
+            }
+        }
+        other => panic!("no fast kernel for {}", other.name()),
+    }
+    acc
+}
+
+/// E4M3 bytes in the low byte of each i32 lane to f32 values times `mult` (exact for every
+/// finite code; the NaN codes 0x7f/0xff read as ±480, which a valid checkpoint never holds).
+const E4M3_BIAS_MULT: f32 = 1.329_228e36; // 2^120
+
+/// Same as the vector conversion, for tests.
+pub fn e4m3_by_bits(b: u8) -> f32 {
+    let bits = ((b as u32 & 0x7f) << 20) | ((b as u32 & 0x80) << 24);
+    f32::from_bits(bits) * E4M3_BIAS_MULT
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[derive(Clone, Copy)]
+    pub(super) struct P {
+        f: *const f32,
+        q: *const i8,
+        s: *const f32,
+        sums: *const f32,
+    }
+
+    fn ptrs(a: &Act<'_>) -> P {
+        P {
+            f: a.f.as_ptr(),
+            q: a.q.as_ptr(),
+            s: a.s.as_ptr(),
+            sums: a.sums.as_ptr(),
+        }
+    }
+
+    /// Dispatch over ISA and kind; activations in chunks of 4, 2, 1.
+    pub(super) unsafe fn dots(
+        spec: &ActSpec,
+        rows: &[u8],
+        row_bytes: usize,
+        acts: &[Act<'_>],
+        out: &mut [f32],
+    ) {
+        let na = acts.len();
+        let vnni = has_vnni();
+        for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+            let mut a0 = 0;
+            while a0 < na {
+                let n = match na - a0 {
+                    1 => 1,
+                    2 | 3 => 2,
+                    _ => 4,
+                };
+                let o = &mut out[r * na + a0..r * na + a0 + n];
+                let ap = &acts[a0..a0 + n];
+                match n {
+                    1 => o.copy_from_slice(&one::<1>(spec, vnni, row.as_ptr(), [ptrs(&ap[0])])),
+                    2 => o.copy_from_slice(&one::<2>(
+                        spec,
+                        vnni,
+                        row.as_ptr(),
+                        [ptrs(&ap[0]), ptrs(&ap[1])],
+                    )),
+                    _ => o.copy_from_slice(&one::<4>(
+                        spec,
+                        vnni,
+                        row.as_ptr(),
+                        [ptrs(&ap[0]), ptrs(&ap[1]), ptrs(&ap[2]), ptrs(&ap[3])],
+                    )),
+                }
+                a0 += n;
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn one<const N: usize>(
+        spec: &ActSpec,
+        vnni: bool,
+        row: *const u8,
+        a: [P; N],
+    ) -> [f32; N] {
+        let k = spec.k;
+        match (spec.isa, spec.kind, spec.fmt) {
+            (Isa::Avx512, Kind::Exact, NVFP4) => nvfp4_exact_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Exact, IQ3S) => iq3s_exact_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Exact, Q2_0) => q2_0_exact_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Fast, NVFP4) if vnni => nvfp4_fast_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512::<N>(row, k, a),
+            (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2::<N>(row, k, a),
+            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2::<N>(row, k, a),
+            (_, Kind::Exact, Q2_0) => q2_0_exact_avx2::<N>(row, k, a),
+            (_, Kind::Fast, NVFP4) => nvfp4_fast_avx2::<N>(row, k, a),
+            (_, Kind::Fast, IQ3S) => iq3s_fast_avx2::<N>(row, k, a),
+            (_, Kind::Fast, Q2_0) => q2_0_fast_avx2::<N>(row, k, a),
+            _ => unreachable!("no fused kernel for {:?}", spec),
+        }
+    }
+
+    #[inline]
+    unsafe fn f16(p: *const u8) -> f32 {
+        half::f16::from_bits((p as *const u16).read_unaligned()).to_f32()
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+
+    /// i32 lanes holding E4M3 bytes (low byte) → f32 × 2^120 × `mult`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn e4m3_lanes_avx2(b: __m256i, mult: f32) -> __m256 {
+        let bits = _mm256_or_si256(
+            _mm256_slli_epi32::<20>(_mm256_and_si256(b, _mm256_set1_epi32(0x7f))),
+            _mm256_slli_epi32::<24>(_mm256_and_si256(b, _mm256_set1_epi32(0x80))),
+        );
+        _mm256_mul_ps(
+            _mm256_castsi256_ps(bits),
+            _mm256_set1_ps(E4M3_BIAS_MULT * mult),
+        )
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn e4m3_lanes_avx512(b: __m512i, mult: f32) -> __m512 {
+        let bits = _mm512_or_si512(
+            _mm512_slli_epi32::<20>(_mm512_and_si512(b, _mm512_set1_epi32(0x7f))),
+            _mm512_slli_epi32::<24>(_mm512_and_si512(b, _mm512_set1_epi32(0x80))),
+        );
+        _mm512_mul_ps(
+            _mm512_castsi512_ps(bits),
+            _mm512_set1_ps(E4M3_BIAS_MULT * mult),
+        )
+    }
+
+    /// 32 sign bits → byte mask (0xff where the bit is set).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn sign_bytes_avx2(bits: u32) -> __m256i {
+        let v = _mm256_set1_epi32(bits as i32);
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bytes = _mm256_shuffle_epi8(v, spread);
+        let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit)
+    }
+
+    /// The 9-bit grid indices of IQ3_S sub-block `sub` (8 entries).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn iq3s_idx_avx2(p: *const u8, sub: usize) -> __m256i {
+        let low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(2 + 8 * sub) as *const __m128i));
+        let high = _mm256_and_si256(
+            _mm256_srlv_epi32(
+                _mm256_set1_epi32(*p.add(66 + sub) as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            ),
+            _mm256_set1_epi32(1),
+        );
+        _mm256_or_si256(low, _mm256_slli_epi32::<8>(high))
+    }
+
+    #[inline]
+    unsafe fn iq3s_db(p: *const u8, d: f32, sub: usize) -> f32 {
+        let s = (*p.add(106 + sub / 2) >> (4 * (sub % 2))) & 0x0f;
+        d * (1 + 2 * s as u32) as f32
+    }
+
+    // ---- NVFP4 --------------------------------------------------------------------------
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nvfp4_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let mag = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
+        let sign = _mm256_set1_epi32(i32::MIN);
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for b in 0..k / 64 {
+            let blk = row.add(36 * b);
+            for g in 0..4 {
+                let lo =
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(4 + 8 * g) as *const __m128i));
+                let hi = _mm256_srli_epi32::<4>(lo);
+                let we = _mm256_xor_ps(
+                    _mm256_permutevar8x32_ps(mag, lo),
+                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32::<28>(lo), sign)),
+                );
+                let wo = _mm256_xor_ps(
+                    _mm256_permutevar8x32_ps(mag, hi),
+                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32::<28>(hi), sign)),
+                );
+                let s = _mm256_set1_ps(E4M3_TO_F32[*blk.add(g) as usize]);
+                for t in 0..N {
+                    let xp = a[t].f.add(64 * b + 32 * (g / 2) + 8 * (g % 2));
+                    let v = _mm256_fmadd_ps(
+                        wo,
+                        _mm256_loadu_ps(xp.add(16)),
+                        _mm256_mul_ps(we, _mm256_loadu_ps(xp)),
+                    );
+                    acc[t][g % 2] = _mm256_fmadd_ps(v, s, acc[t][g % 2]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn nvfp4_exact_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let table = _mm512_setr_ps(
+            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+        );
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for b in 0..k / 64 {
+            let blk = row.add(36 * b);
+            for c in 0..2 {
+                let bytes =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(4 + 16 * c) as *const __m128i));
+                let we = _mm512_permutexvar_ps(bytes, table);
+                let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), table);
+                let sv = _mm512_mask_mov_ps(
+                    _mm512_set1_ps(E4M3_TO_F32[*blk.add(2 * c) as usize]),
+                    0xff00,
+                    _mm512_set1_ps(E4M3_TO_F32[*blk.add(2 * c + 1) as usize]),
+                );
+                for t in 0..N {
+                    let xp = a[t].f.add(64 * b + 32 * c);
+                    let v = _mm512_fmadd_ps(
+                        wo,
+                        _mm512_loadu_ps(xp.add(16)),
+                        _mm512_mul_ps(we, _mm512_loadu_ps(xp)),
+                    );
+                    acc[t][c] = _mm512_fmadd_ps(v, sv, acc[t][c]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nvfp4_fast_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let tbl =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_DOUBLED.as_ptr() as *const __m128i));
+        let m0f = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        // i32 lane l ← scale byte l / 2 (the u32 of four scales sits in bytes 0..4 of each
+        // 128-bit lane after the broadcast).
+        let sel = _mm256_setr_epi8(
+            0, -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 2, -1, -1,
+            -1, 3, -1, -1, -1, 3, -1, -1, -1,
+        );
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..k / 64 {
+            let blk = row.add(36 * b);
+            let v = _mm256_loadu_si256(blk.add(4) as *const __m256i);
+            let lo = _mm256_and_si256(v, m0f);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+            let wlo = _mm256_shuffle_epi8(tbl, lo);
+            let whi = _mm256_shuffle_epi8(tbl, hi);
+            let alo = _mm256_abs_epi8(wlo);
+            let ahi = _mm256_abs_epi8(whi);
+            let sb =
+                _mm256_shuffle_epi8(_mm256_set1_epi32((blk as *const i32).read_unaligned()), sel);
+            let wsc = e4m3_lanes_avx2(sb, 0.5);
+            let off = 128 * (b / 2) + 32 * (b % 2);
+            for t in 0..N {
+                let xe = _mm256_loadu_si256(a[t].q.add(off) as *const __m256i);
+                let xo = _mm256_loadu_si256(a[t].q.add(off + 64) as *const __m256i);
+                let pe = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(xe, wlo));
+                let po = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xo, whi));
+                let i = _mm256_madd_epi16(_mm256_add_epi16(pe, po), ones);
+                let sc = _mm256_mul_ps(wsc, _mm256_set1_ps(*a[t].s.add(b)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, acc[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn nvfp4_fast_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        const MAG: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12];
+        let mag = _mm512_broadcast_i32x4(_mm_loadu_si128(MAG.as_ptr() as *const __m128i));
+        let m0f = _mm512_set1_epi8(0x0f);
+        let eight = _mm512_set1_epi8(8);
+        let zero = _mm512_setzero_si512();
+        // i32 lane l ← scale byte (l / 8) · 4 + (l % 8) / 2 of the broadcast u64 (two blocks'
+        // four scales), upper bytes zero.
+        let sel = _mm512_setr_epi32(
+            0x8080_8000u32 as i32,
+            0x8080_8000u32 as i32,
+            0x8080_8001u32 as i32,
+            0x8080_8001u32 as i32,
+            0x8080_8002u32 as i32,
+            0x8080_8002u32 as i32,
+            0x8080_8003u32 as i32,
+            0x8080_8003u32 as i32,
+            0x8080_8004u32 as i32,
+            0x8080_8004u32 as i32,
+            0x8080_8005u32 as i32,
+            0x8080_8005u32 as i32,
+            0x8080_8006u32 as i32,
+            0x8080_8006u32 as i32,
+            0x8080_8007u32 as i32,
+            0x8080_8007u32 as i32,
+        );
+        let mut acc = [_mm512_setzero_ps(); N];
+        for pb in 0..k / 128 {
+            let b0 = row.add(72 * pb);
+            let b1 = b0.add(36);
+            let v = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(4) as *const __m256i)),
+                _mm256_loadu_si256(b1.add(4) as *const __m256i),
+            );
+            let lo = _mm512_and_si512(v, m0f);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f);
+            let mlo = _mm512_shuffle_epi8(mag, lo);
+            let mhi = _mm512_shuffle_epi8(mag, hi);
+            let nlo = _mm512_test_epi8_mask(lo, eight);
+            let nhi = _mm512_test_epi8_mask(hi, eight);
+            let sc64 = (b0 as *const u32).read_unaligned() as u64
+                | ((b1 as *const u32).read_unaligned() as u64) << 32;
+            let wsc = e4m3_lanes_avx512(
+                _mm512_shuffle_epi8(_mm512_set1_epi64(sc64 as i64), sel),
+                0.5,
+            );
+            for t in 0..N {
+                let xe = _mm512_loadu_si512(a[t].q.add(128 * pb) as *const _);
+                let xo = _mm512_loadu_si512(a[t].q.add(128 * pb + 64) as *const _);
+                let xse = _mm512_mask_sub_epi8(xe, nlo, zero, xe);
+                let xso = _mm512_mask_sub_epi8(xo, nhi, zero, xo);
+                let i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, mlo, xse), mhi, xso);
+                let dx = _mm512_mask_mov_ps(
+                    _mm512_set1_ps(*a[t].s.add(2 * pb)),
+                    0xff00,
+                    _mm512_set1_ps(*a[t].s.add(2 * pb + 1)),
+                );
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(wsc, dx), acc[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        out
+    }
+
+    // ---- IQ3_S --------------------------------------------------------------------------
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq3s_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let sign = _mm256_set1_epi32(i32::MIN);
+        let sh = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let d = f16(p);
+            for sub in 0..8 {
+                let mags = _mm256_i32gather_epi32::<4>(
+                    IQ3S_GRID.as_ptr() as *const i32,
+                    iq3s_idx_avx2(p, sub),
+                );
+                let signs = (p.add(74 + 4 * sub) as *const u32).read_unaligned();
+                let db = _mm256_set1_ps(iq3s_db(p, d, sub));
+                let halves = [
+                    _mm256_castsi256_si128(mags),
+                    _mm256_extracti128_si256::<1>(mags),
+                ];
+                let mut tmp = [_mm256_setzero_ps(); N];
+                for q in 0..4 {
+                    let h = halves[q / 2];
+                    let m = if q % 2 == 0 {
+                        h
+                    } else {
+                        _mm_srli_si128::<8>(h)
+                    };
+                    let w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m));
+                    let sb = _mm256_set1_epi32(((signs >> (8 * q)) & 0xff) as i32);
+                    let w = _mm256_xor_ps(
+                        w,
+                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_sllv_epi32(sb, sh), sign)),
+                    );
+                    for t in 0..N {
+                        let xp = a[t].f.add(256 * blk + 32 * sub + 8 * q);
+                        tmp[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp), tmp[t]);
+                    }
+                }
+                for t in 0..N {
+                    acc[t] = _mm256_fmadd_ps(tmp[t], db, acc[t]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn iq3s_exact_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let d = f16(p);
+            for pair in 0..4 {
+                let low =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2 + 16 * pair) as *const __m128i));
+                let qh = (p.add(66 + 2 * pair) as *const u16).read_unaligned();
+                let idx = _mm512_or_si512(low, _mm512_maskz_mov_epi32(qh, _mm512_set1_epi32(256)));
+                let mags = _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
+                let signs = (p.add(74 + 8 * pair) as *const u64).read_unaligned();
+                let parts = [
+                    _mm512_castsi512_si128(mags),
+                    _mm512_extracti32x4_epi32::<1>(mags),
+                    _mm512_extracti32x4_epi32::<2>(mags),
+                    _mm512_extracti32x4_epi32::<3>(mags),
+                ];
+                for h in 0..2 {
+                    let db = _mm512_set1_ps(iq3s_db(p, d, 2 * pair + h));
+                    let mut tmp = [_mm512_setzero_ps(); N];
+                    for q in 0..2 {
+                        let part = 2 * h + q;
+                        let w = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                            parts[part],
+                        )));
+                        let w = _mm512_castsi512_ps(_mm512_mask_xor_epi32(
+                            w,
+                            (signs >> (16 * part)) as u16,
+                            w,
+                            sign,
+                        ));
+                        for t in 0..N {
+                            let xp = a[t].f.add(256 * blk + 64 * pair + 16 * part);
+                            tmp[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp), tmp[t]);
+                        }
+                    }
+                    for t in 0..N {
+                        acc[t] = _mm512_fmadd_ps(tmp[t], db, acc[t]);
+                    }
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq3s_fast_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let d = f16(p);
+            for sub in 0..8 {
+                let mags = _mm256_i32gather_epi32::<4>(
+                    IQ3S_GRID.as_ptr() as *const i32,
+                    iq3s_idx_avx2(p, sub),
+                );
+                let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
+                let db = iq3s_db(p, d, sub);
+                for t in 0..N {
+                    let x = _mm256_loadu_si256(a[t].q.add(256 * blk + 32 * sub) as *const __m256i);
+                    let xs = _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg);
+                    let i = _mm256_madd_epi16(_mm256_maddubs_epi16(mags, xs), ones);
+                    let sc = _mm256_set1_ps(db * *a[t].s.add(8 * blk + sub));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, acc[t]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn iq3s_fast_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let d = f16(p);
+            for pair in 0..4 {
+                let low =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2 + 16 * pair) as *const __m128i));
+                let qh = (p.add(66 + 2 * pair) as *const u16).read_unaligned();
+                let idx = _mm512_or_si512(low, _mm512_maskz_mov_epi32(qh, _mm512_set1_epi32(256)));
+                let mags = _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
+                let signs = (p.add(74 + 8 * pair) as *const u64).read_unaligned();
+                let (db0, db1) = (iq3s_db(p, d, 2 * pair), iq3s_db(p, d, 2 * pair + 1));
+                for t in 0..N {
+                    let x = _mm512_loadu_si512(a[t].q.add(256 * blk + 64 * pair) as *const _);
+                    let xs = _mm512_mask_sub_epi8(x, signs, zero, x);
+                    let i = _mm512_dpbusd_epi32(zero, mags, xs);
+                    let s = a[t].s.add(8 * blk + 2 * pair);
+                    let sc = _mm512_mask_mov_ps(
+                        _mm512_set1_ps(db0 * *s),
+                        0xff00,
+                        _mm512_set1_ps(db1 * *s.add(1)),
+                    );
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), sc, acc[t]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        out
+    }
+
+    // ---- Q2_0 ---------------------------------------------------------------------------
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2_0_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let three = _mm_set1_epi8(3);
+        let one = _mm256_set1_ps(1.0);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for blk in 0..k / 64 {
+            let p = row.add(18 * blk);
+            let d = _mm256_set1_ps(f16(p));
+            let q = _mm_loadu_si128(p.add(2) as *const __m128i);
+            let codes = [
+                _mm_and_si128(q, three),
+                _mm_and_si128(_mm_srli_epi16::<2>(q), three),
+                _mm_and_si128(_mm_srli_epi16::<4>(q), three),
+                _mm_and_si128(_mm_srli_epi16::<6>(q), three),
+            ];
+            let mut tmp = [_mm256_setzero_ps(); N];
+            for (j, c) in codes.into_iter().enumerate() {
+                let w0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), one);
+                let w1 = _mm256_sub_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(c))),
+                    one,
+                );
+                for t in 0..N {
+                    let xp = a[t].f.add(64 * blk + 16 * j);
+                    tmp[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), tmp[t]);
+                    tmp[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), tmp[t]);
+                }
+            }
+            for t in 0..N {
+                acc[t] = _mm256_fmadd_ps(tmp[t], d, acc[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn q2_0_exact_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let three = _mm_set1_epi8(3);
+        let one = _mm512_set1_ps(1.0);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..k / 64 {
+            let p = row.add(18 * blk);
+            let d = _mm512_set1_ps(f16(p));
+            let q = _mm_loadu_si128(p.add(2) as *const __m128i);
+            let codes = [
+                _mm_and_si128(q, three),
+                _mm_and_si128(_mm_srli_epi16::<2>(q), three),
+                _mm_and_si128(_mm_srli_epi16::<4>(q), three),
+                _mm_and_si128(_mm_srli_epi16::<6>(q), three),
+            ];
+            let mut tmp = [_mm512_setzero_ps(); N];
+            for (j, c) in codes.into_iter().enumerate() {
+                let w = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), one);
+                for t in 0..N {
+                    tmp[t] =
+                        _mm512_fmadd_ps(w, _mm512_loadu_ps(a[t].f.add(64 * blk + 16 * j)), tmp[t]);
+                }
+            }
+            for t in 0..N {
+                acc[t] = _mm512_fmadd_ps(tmp[t], d, acc[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2_0_fast_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let three = _mm256_set1_epi8(3);
+        let ones = _mm256_set1_epi16(1);
+        let sh01 = _mm256_setr_epi64x(0, 0, 2, 2);
+        let sh23 = _mm256_setr_epi64x(4, 4, 6, 6);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut corr = [0f32; N];
+        for blk in 0..k / 64 {
+            let p = row.add(18 * blk);
+            let d = f16(p);
+            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(2) as *const __m128i));
+            let c01 = _mm256_and_si256(_mm256_srlv_epi64(q, sh01), three);
+            let c23 = _mm256_and_si256(_mm256_srlv_epi64(q, sh23), three);
+            for t in 0..N {
+                let xp = a[t].q.add(64 * blk);
+                let x01 = _mm256_loadu_si256(xp as *const __m256i);
+                let x23 = _mm256_loadu_si256(xp.add(32) as *const __m256i);
+                let i = _mm256_madd_epi16(
+                    _mm256_add_epi16(
+                        _mm256_maddubs_epi16(c01, x01),
+                        _mm256_maddubs_epi16(c23, x23),
+                    ),
+                    ones,
+                );
+                let sc = d * *a[t].s.add(blk);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(sc), acc[t]);
+                corr[t] = sc.mul_add(*a[t].sums.add(blk), corr[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(acc[t]) - corr[t];
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn q2_0_fast_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let three = _mm512_set1_epi8(3);
+        let zero = _mm512_setzero_si512();
+        let sh = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut corr = [0f32; N];
+        for blk in 0..k / 64 {
+            let p = row.add(18 * blk);
+            let d = f16(p);
+            let q = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(2) as *const __m128i));
+            let c = _mm512_and_si512(_mm512_srlv_epi64(q, sh), three);
+            for t in 0..N {
+                let x = _mm512_loadu_si512(a[t].q.add(64 * blk) as *const _);
+                let i = _mm512_dpbusd_epi32(zero, c, x);
+                let sc = d * *a[t].s.add(blk);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(sc), acc[t]);
+                corr[t] = sc.mul_add(*a[t].sums.add(blk), corr[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]) - corr[t];
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::experts::format::dequantize_row_scalar;
+    use crate::backend::cpu::experts::{
+        ExpertLayout, ExpertMatrix, ExpertSet, ExpertShape, SplitMix,
+    };
+
+    #[test]
+    fn e4m3_bit_conversion_matches_the_table_for_every_finite_code() {
+        for b in 0..=255u8 {
+            if b & 0x7f == 0x7f {
+                continue; // NaN codes
+            }
+            assert_eq!(
+                e4m3_by_bits(b).to_bits(),
+                E4M3_TO_F32[b as usize].to_bits(),
+                "code {b:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn slots_are_a_permutation() {
+        for fmt in [NVFP4, IQ3S, Q2_0] {
+            for path in [MathPath::Exact, MathPath::Fast] {
+                let spec = ActSpec::new(Isa::Avx2, path, fmt, 1024);
+                let mut seen = vec![false; 1024];
+                for i in 0..1024 {
+                    let s = spec.slot(i);
+                    assert!(!seen[s], "{fmt:?} {path:?}: slot {s} twice");
+                    seen[s] = true;
+                }
+            }
+        }
+    }
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        if Isa::best_supported() >= Isa::Avx2 {
+            v.push(Isa::Avx2);
+        }
+        if Isa::best_supported() >= Isa::Avx512 {
+            v.push(Isa::Avx512);
+        } else {
+            eprintln!("skipping AVX-512 fused kernels: this CPU lacks AVX-512");
+        }
+        v
+    }
+
+    /// Every fused kernel against the scalar reference, on random rows, for 1–7 activations.
+    #[test]
+    fn fused_kernels_match_the_scalar_reference() {
+        let k = 512;
+        for fmt in [NVFP4, IQ3S, Q2_0] {
+            let layout = ExpertLayout::new(
+                fmt,
+                fmt,
+                ExpertShape {
+                    hidden: k,
+                    intermediate: k,
+                },
+            )
+            .unwrap();
+            let mut set = ExpertSet::zeroed(layout, 1);
+            set.randomize(3);
+            let rows = 6;
+            let rb = layout.gate_up_row_bytes;
+            let mut bytes = Vec::new();
+            for r in 0..rows {
+                bytes.extend_from_slice(set.row(0, ExpertMatrix::Gate, r));
+            }
+            let mut rng = SplitMix(9);
+            for nacts in 1..=7 {
+                let xs: Vec<Vec<f32>> = (0..nacts)
+                    .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
+                    .collect();
+                for path in [MathPath::Exact, MathPath::Fast] {
+                    let mut want: Option<Vec<f32>> = None;
+                    for isa in isas() {
+                        let spec = ActSpec::new(isa, path, fmt, k);
+                        let sl = ActSpec::scales_len(k);
+                        let mut bufs: Vec<(Vec<f32>, Vec<i8>, Vec<f32>, Vec<f32>)> = (0..nacts)
+                            .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
+                            .collect();
+                        for (x, b) in xs.iter().zip(bufs.iter_mut()) {
+                            prepare(&spec, x, &mut b.0, &mut b.1, &mut b.2, &mut b.3);
+                        }
+                        let acts: Vec<Act<'_>> = bufs
+                            .iter()
+                            .map(|b| Act {
+                                f: &b.0,
+                                q: &b.1,
+                                s: &b.2,
+                                sums: &b.3,
+                            })
+                            .collect();
+                        let mut out = vec![0f32; rows * nacts];
+                        let mut scratch = vec![0f32; k];
+                        dots(&spec, &bytes, rb, &acts, &mut out, &mut scratch);
+                        // Magnitudes for the tolerance, from the dequantised rows.
+                        let mut w = vec![0f32; k];
+                        let mut mags = vec![0f64; rows * nacts];
+                        for r in 0..rows {
+                            dequantize_row_scalar(fmt, &bytes[r * rb..(r + 1) * rb], &mut w);
+                            for (a, x) in xs.iter().enumerate() {
+                                let mag: f64 = w
+                                    .iter()
+                                    .zip(x)
+                                    .map(|(p, q)| (*p as f64 * *q as f64).abs())
+                                    .sum();
+                                let exact: f64 =
+                                    w.iter().zip(x).map(|(p, q)| *p as f64 * *q as f64).sum();
+                                mags[r * nacts + a] = mag;
+                                let got = out[r * nacts + a] as f64;
+                                let tol = if path == MathPath::Exact { 1e-5 } else { 3e-2 };
+                                assert!(
+                                    (got - exact).abs() <= tol * mag + 1e-6,
+                                    "{} {} {}: row {r} act {a}: {got} vs {exact} (Σ|terms| {mag})",
+                                    fmt.name(),
+                                    path.name(),
+                                    isa.name()
+                                );
+                            }
+                        }
+                        if spec.kind == Kind::Fast {
+                            match &want {
+                                None => want = Some(out),
+                                Some(s) => {
+                                    for (j, (g, w)) in out.iter().zip(s).enumerate() {
+                                        assert!(
+                                            ((g - w) as f64).abs() <= 1e-5 * mags[j] + 1e-6,
+                                            "{} fast {}: [{j}] {g} vs scalar {w}",
+                                            fmt.name(),
+                                            isa.name()
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
