@@ -7,7 +7,7 @@
 //! benchmarks ([`write_random_checkpoint`]).
 
 use crate::checkpoint::write_safetensors;
-use crate::config::{LayerType, TextConfig};
+use crate::config::{Architecture, LayerType, TextConfig};
 use crate::tensor::{Bytes, DType, HostTensor};
 use anyhow::{bail, Context, Result};
 use half::bf16;
@@ -20,8 +20,10 @@ use std::path::{Path, PathBuf};
 const DEMO_VERSION: u32 = 1;
 const DEMO_SEED: u64 = 0x0CA9_F1A5;
 
-/// Names accepted by `--model` for the built-in models.
-pub const DEMO_NAMES: &[&str] = &["demo"];
+/// Names accepted by `--model` for the built-in models: `demo` (dense `qwen3_5_text`) and
+/// `demo-moe` (`qwen4_exp_text`: QSA, Gated DeltaNet, sparse MoE with a shared expert,
+/// hyper-connections and a sharded PLE n-gram table).
+pub const DEMO_NAMES: &[&str] = &["demo", "demo-moe"];
 
 /// True when `--model` names a built-in demo model rather than a folder.
 pub fn is_demo_name(name: &str) -> bool {
@@ -66,6 +68,26 @@ pub fn demo_config(tokenizer_vocab: usize, eos_id: u32) -> Value {
     })
 }
 
+/// The `config.json` of the named demo model for a tokenizer of `tokenizer_vocab` ids.
+fn named_demo_config(name: &str, tokenizer_vocab: usize, eos_id: u32) -> Result<Value> {
+    Ok(match name {
+        "demo" => demo_config(tokenizer_vocab, eos_id),
+        "demo-moe" => {
+            let mut c = crate::model::qwen4_exp_text::demo_config(
+                tokenizer_vocab.div_ceil(256) * 256,
+                eos_id,
+            );
+            c["torch_dtype"] = json!("bfloat16");
+            c["capy_demo"] = json!({"version": DEMO_VERSION, "seed": DEMO_SEED, "note": "random weights: output is gibberish"});
+            c
+        }
+        other => bail!(
+            "unknown demo model \"{other}\"; built-in models are: {}",
+            DEMO_NAMES.join(", ")
+        ),
+    })
+}
+
 /// Returns the folder of the named demo model, generating it on first use.
 pub fn ensure_demo_model(name: &str) -> Result<PathBuf> {
     if !is_demo_name(name) {
@@ -74,7 +96,12 @@ pub fn ensure_demo_model(name: &str) -> Result<PathBuf> {
             DEMO_NAMES.join(", ")
         );
     }
-    let dir = cache_dir()?.join(format!("{name}-v{DEMO_VERSION}"));
+    ensure_demo_model_in(name, &cache_dir()?)
+}
+
+/// [`ensure_demo_model`] with the cache folder given.
+pub fn ensure_demo_model_in(name: &str, cache: &Path) -> Result<PathBuf> {
+    let dir = cache.join(format!("{name}-v{DEMO_VERSION}"));
     if dir.join("config.json").exists()
         && dir.join("model.safetensors").exists()
         && dir.join("tokenizer.json").exists()
@@ -86,7 +113,7 @@ pub fn ensure_demo_model(name: &str) -> Result<PathBuf> {
     let eos = tokenizer
         .token_to_id("<|im_end|>")
         .context("the demo tokenizer has no <|im_end|> token")?;
-    let config = demo_config(tokenizer.vocab_size(), eos);
+    let config = named_demo_config(name, tokenizer.vocab_size(), eos)?;
     let parent = dir.parent().context("cache folder has no parent")?;
     std::fs::create_dir_all(parent)
         .with_context(|| format!("cannot create {}", parent.display()))?;
@@ -168,10 +195,13 @@ fn random_tensor(
     }
 }
 
-/// Writes `config.json` and a `model.safetensors` of random weights for a `qwen3_5_text`
-/// config into `dir` (matrices in `dtype`, norms and GDN constants in F32).
+/// Writes `config.json` and a `model.safetensors` of random weights for a `qwen3_5_text` or
+/// `qwen4_exp_text` config into `dir` (matrices in `dtype`, norms and GDN constants in F32).
 pub fn write_random_checkpoint(config: &Value, dir: &Path, dtype: DType, seed: u64) -> Result<()> {
     let c = TextConfig::from_value(config)?;
+    if c.architecture == Architecture::Qwen4ExpText {
+        return write_random_qwen4_exp(config, &c, dir, dtype, seed);
+    }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (h, v, i) = (c.hidden_size, c.vocab_size, c.intermediate_size);
     let std = 0.02f32;
@@ -273,6 +303,109 @@ pub fn write_random_checkpoint(config: &Value, dir: &Path, dtype: DType, seed: u
     write_safetensors(&dir.join("model.safetensors"), &tensors)
 }
 
+/// How the random `qwen4_exp_text` writer draws a tensor, by name (after the reference
+/// fixtures' `randomise`: unit-variance embeddings, `1/sqrt(fan_in)` matrices, small offsets
+/// for the `(1 + w)` norms, decays and conv taps in their usual ranges).
+#[derive(Clone, Copy)]
+enum Init {
+    Normal(f32),
+    /// `1 + N(0, σ)`: the GDN gated norm multiplies by its weight directly.
+    OnePlus(f32),
+    /// `ln U(0.01, 16)`.
+    ALog,
+    Const(f32),
+}
+
+fn qwen4_exp_init(name: &str, shape: &[usize]) -> (Init, bool) {
+    // (how, stored in the matrix dtype rather than F32)
+    if name.ends_with("A_log") {
+        (Init::ALog, false)
+    } else if name.ends_with("dt_bias") {
+        (Init::Const(1.0), false)
+    } else if name.ends_with("conv1d.weight") {
+        (Init::Normal(0.3), true)
+    } else if name.ends_with("linear_attn.norm.weight") {
+        (Init::OnePlus(0.1), false)
+    } else if shape.len() == 1 {
+        (Init::Normal(0.1), false)
+    } else if name.ends_with("embed_tokens.weight") || name.contains("ngram_embedding.") {
+        (Init::Normal(1.0), true)
+    } else {
+        let fan_in = *shape.last().expect("a matrix has dimensions");
+        (Init::Normal(1.0 / (fan_in as f32).sqrt()), true)
+    }
+}
+
+/// Uniform samples of standard deviation `std`: as good as normal ones for random weights and
+/// several times cheaper to draw.
+fn uniform(rng: &mut ChaCha8Rng, std: f32) -> f32 {
+    (rng.random::<f32>() * 2.0 - 1.0) * std * 3f32.sqrt()
+}
+
+/// Writes a random `qwen4_exp_text` checkpoint. Every tensor is drawn in chunks, each from its
+/// own generator seeded by `seed`, the tensor's name and the chunk index, so the bytes are the
+/// same for a seed however many threads draw them.
+fn write_random_qwen4_exp(
+    config: &Value,
+    c: &TextConfig,
+    dir: &Path,
+    dtype: DType,
+    seed: u64,
+) -> Result<()> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let dtype = if dtype == DType::BF16 {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let tensors = crate::synthetic::qwen4_exp_text_tensors(c)?
+        .into_iter()
+        .map(|(name, shape)| {
+            let (init, matrix) = qwen4_exp_init(&name, &shape);
+            let dt = if matrix { dtype } else { DType::F32 };
+            let n: usize = shape.iter().product();
+            let name_seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            });
+            let mut bytes = vec![0u8; n * dt.size()];
+            bytes
+                .par_chunks_mut(CHUNK * dt.size())
+                .enumerate()
+                .for_each(|(ci, out)| {
+                    let mut rng = ChaCha8Rng::seed_from_u64(
+                        seed ^ name_seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    );
+                    for o in out.chunks_exact_mut(dt.size()) {
+                        let v = match init {
+                            Init::Normal(std) => uniform(&mut rng, std),
+                            Init::OnePlus(std) => 1.0 + uniform(&mut rng, std),
+                            Init::ALog => rng.random_range(0.01f32..16.0).ln(),
+                            Init::Const(v) => v,
+                        };
+                        if dt == DType::BF16 {
+                            o.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+                        } else {
+                            o.copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                });
+            HostTensor {
+                name,
+                dtype: dt,
+                shape,
+                data: Bytes::from_vec(bytes),
+            }
+        })
+        .collect::<Vec<_>>();
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(config)?,
+    )?;
+    write_safetensors(&dir.join("model.safetensors"), &tensors)
+}
+
 /// A `qwen3_5_text` config of about `target_params` parameters with the 27B's proportions
 /// (head sizes, GDN/attention pattern, MLP ratio), for CPU benchmarks.
 pub fn synthetic_dense_config(hidden: usize, layers: usize, vocab: usize) -> Value {
@@ -330,6 +463,79 @@ mod tests {
             .unwrap();
         assert_eq!(logits[0].len(), 96);
         assert!(logits[0].iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn demo_moe_is_reproducible_and_runs_every_flash_next_block() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let da = ensure_demo_model_in("demo-moe", a.path()).unwrap();
+        let db = ensure_demo_model_in("demo-moe", b.path()).unwrap();
+        // A second call finds the cached copy.
+        assert_eq!(ensure_demo_model_in("demo-moe", a.path()).unwrap(), da);
+        let bytes = std::fs::read(da.join("model.safetensors")).unwrap();
+        assert!(bytes == std::fs::read(db.join("model.safetensors")).unwrap());
+        drop(bytes);
+
+        let ck = Checkpoint::open(&da).unwrap();
+        assert_eq!(
+            ck.config.architecture,
+            crate::config::Architecture::Qwen4ExpText
+        );
+        let f = ck.config.qwen4_exp().unwrap();
+        assert!(f.qsa.is_some() && f.ple.is_some() && f.hc_count > 1);
+        assert!(f.moe.num_experts > f.moe.num_experts_per_tok);
+        assert!(f.ple.as_ref().unwrap().split_ngram_parts > 1);
+        assert!(ck
+            .weights
+            .contains("model.layers.1.ple.ple_embedding.ngram_embedding.shard_1.weight"));
+        // The real tokenizer's vocabulary, padded like the published checkpoints.
+        assert_eq!(ck.config.vocab_size, 248_320);
+
+        let mut lm = model::load(CpuBackend::new(), &ck).unwrap();
+        let prompt: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 248_077).collect();
+        let full = lm.new_sequence();
+        let all = lm
+            .forward(&[BatchItem {
+                seq: full,
+                tokens: &prompt,
+                logits: LogitsWanted::All,
+            }])
+            .unwrap()
+            .remove(0);
+        assert_eq!(all.len(), 40 * 248_320);
+        assert!(all.iter().all(|v| v.is_finite()));
+        // Prefill then token-by-token decode gives the same logits as one pass.
+        let inc = lm.new_sequence();
+        lm.forward(&[BatchItem {
+            seq: inc,
+            tokens: &prompt[..37],
+            logits: LogitsWanted::None,
+        }])
+        .unwrap();
+        for (t, &tok) in prompt.iter().enumerate().skip(37) {
+            let step = lm
+                .forward(&[BatchItem {
+                    seq: inc,
+                    tokens: &[tok],
+                    logits: LogitsWanted::Last,
+                }])
+                .unwrap()
+                .remove(0);
+            let want = &all[t * 248_320..(t + 1) * 248_320];
+            let diff = step
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-3, "position {t}: max |Δ| {diff}");
+        }
+        // The logits are not degenerate (random weights still distinguish tokens).
+        let last = &all[39 * 248_320..];
+        let (lo, hi) = last
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+        assert!(hi - lo > 1.0, "logit range {lo}..{hi}");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `--model DIR|demo`, shared by every subcommand that loads a model.
+//! `--model DIR|demo|demo-moe`, shared by every subcommand that loads a model.
 
 use anyhow::Result;
 use capy_engine::backend::cpu::CpuBackend;
@@ -11,7 +11,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Clone)]
 pub struct ModelArg {
-    /// A Hugging Face model folder, or "demo" for the built-in demo model.
+    /// A Hugging Face model folder, or a built-in demo model: "demo" (dense Qwen3.8 layout) or
+    /// "demo-moe" (Flash-Next layout: sparse attention, MoE, hyper-connections, PLE).
     #[arg(long)]
     pub model: String,
 }
@@ -39,8 +40,9 @@ pub fn open_model(arg: &ModelArg) -> Result<Loaded> {
     let dir = resolve(&arg.model)?;
     let ck = Checkpoint::open(&dir)?;
     let model = model::load(CpuBackend::new(), &ck)?;
-    let (tokenizer, template) = if dir.join("tokenizer.json").exists() {
-        let (t, tpl) = load_tokenizer_and_template(&dir)?;
+    // `ck.dir` is the folder (the parent of a `.gguf` file given as --model).
+    let (tokenizer, template) = if ck.dir.join("tokenizer.json").exists() {
+        let (t, tpl) = load_tokenizer_and_template(&ck.dir)?;
         (Some(t), tpl)
     } else {
         (None, None)
