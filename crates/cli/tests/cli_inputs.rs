@@ -155,3 +155,34 @@ fn generate_with_the_demo_model_is_deterministic_for_a_seed() {
     assert_eq!(a.stdout, b.stdout);
     assert!(!a.stdout.is_empty());
 }
+
+#[test]
+fn generate_with_the_moe_demo_model_is_deterministic_for_a_seed() {
+    let args = [
+        "generate",
+        "--model",
+        "demo-moe",
+        "--prompt",
+        "Hello",
+        "--chat",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "7",
+    ];
+    let a = run(&args);
+    let b = run(&args);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    assert!(
+        String::from_utf8_lossy(&a.stderr).contains("gibberish"),
+        "the demo says once that it is random"
+    );
+    assert_eq!(a.stdout, b.stdout);
+    assert!(!a.stdout.is_empty());
+    // Another seed samples other tokens from the same model.
+    let mut other = args;
+    other[11] = "8";
+    assert_ne!(run(&other).stdout, a.stdout);
+}

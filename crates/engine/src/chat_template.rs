@@ -176,6 +176,24 @@ impl ChatTemplate {
 /// Both files of a checkpoint folder: `tokenizer.json` (required) and the chat template
 /// (optional, see [`ChatTemplate::from_checkpoint_dir`]).
 pub fn load_tokenizer_and_template(dir: &Path) -> Result<(Tokenizer, Option<ChatTemplate>)> {
+    // A GGUF file (`--model FILE.gguf`): the tokenizer files sit beside it.
+    if dir.is_file()
+        && dir
+            .extension()
+            .is_some_and(|x| x.eq_ignore_ascii_case("gguf"))
+    {
+        let parent = dir.parent().unwrap_or(Path::new("."));
+        if !parent.join("tokenizer.json").is_file() {
+            bail!(
+                "{} is a GGUF file and its tokenizer is not read from the GGUF metadata: put the \
+                 Hugging Face tokenizer.json (and tokenizer_config.json for the chat template) \
+                 of its model beside it in {}",
+                dir.display(),
+                parent.display()
+            );
+        }
+        return load_tokenizer_and_template(parent);
+    }
     if !dir.is_dir() {
         bail!(
             "model folder {} does not exist or is not a folder",

@@ -312,6 +312,9 @@ fn moe_routing_matches_cpu() {
     }
 }
 
+/// One backend's experts.
+type Experts<B> = Vec<ExpertMatrices<<B as Backend>::Matrix>>;
+
 /// Random experts on both backends: `[2I, H]` gate‖up and `[H, I]` down each.
 fn experts_pair(
     g: &CudaBackend,
@@ -320,10 +323,7 @@ fn experts_pair(
     hidden: usize,
     inter: usize,
     dtype: DType,
-) -> (
-    Vec<ExpertMatrices<<CpuBackend as Backend>::Matrix>>,
-    Vec<ExpertMatrices<<CudaBackend as Backend>::Matrix>>,
-) {
+) -> (Experts<CpuBackend>, Experts<CudaBackend>) {
     let c = CpuBackend::new();
     let mut cpu = Vec::new();
     let mut gpu = Vec::new();

@@ -9,10 +9,11 @@
 
 use capy_engine::backend::cpu::CpuBackend;
 use capy_engine::backend::Backend;
-use capy_engine::checkpoint::Checkpoint;
+use capy_engine::checkpoint::{write_safetensors, Checkpoint};
 use capy_engine::config::TextConfig;
 use capy_engine::model::qwen4_exp_text::Qwen4ExpText;
 use capy_engine::model::{BatchItem, CausalLm, LogitsWanted, SeqId};
+use capy_engine::tensor::{Bytes, DType, HostTensor};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -93,7 +94,11 @@ fn fixture(name: &'static str) -> Fixture {
 }
 
 fn load(name: &str) -> Qwen4ExpText<CpuBackend> {
-    let ck = Checkpoint::open(&fixture_dir(name)).unwrap();
+    load_dir(&fixture_dir(name))
+}
+
+fn load_dir(dir: &Path) -> Qwen4ExpText<CpuBackend> {
+    let ck = Checkpoint::open(dir).unwrap();
     Qwen4ExpText::load(CpuBackend::new(), &ck).unwrap()
 }
 
@@ -569,4 +574,150 @@ fn loads_a_sharded_table_that_does_not_match_the_config_with_the_reason() {
         e.contains("does not match the n-gram hashing of config.json"),
         "{e}"
     );
+}
+
+/// The E4M3 code nearest to `v` (finite codes only; the first of two equally near).
+fn to_e4m3(v: f32) -> u8 {
+    use capy_engine::quant::fp8::E4M3_TO_F32;
+    (0u8..=255)
+        .filter(|&c| E4M3_TO_F32[c as usize].is_finite())
+        .min_by(|&a, &b| {
+            let (da, db) = (
+                (E4M3_TO_F32[a as usize] - v).abs(),
+                (E4M3_TO_F32[b as usize] - v).abs(),
+            );
+            da.partial_cmp(&db).unwrap()
+        })
+        .unwrap()
+}
+
+/// Copies fixture `name` into `dir` with its PLE table shards rewritten by `table`, which gets
+/// each shard (index, F32 tensor) and returns the tensors stored in its place.
+fn with_table(
+    name: &str,
+    dir: &Path,
+    table: impl Fn(usize, &HostTensor) -> Vec<HostTensor>,
+) -> usize {
+    let ck = Checkpoint::open(&fixture_dir(name)).unwrap();
+    let mut out = Vec::new();
+    let mut shards = 0;
+    let names: Vec<String> = ck.weights.names().map(str::to_owned).collect();
+    for n in &names {
+        let t = ck.weights.get(n).unwrap();
+        match n
+            .split("ngram_embedding.shard_")
+            .nth(1)
+            .and_then(|r| r.strip_suffix(".weight"))
+        {
+            Some(i) => {
+                shards += 1;
+                out.extend(table(i.parse().unwrap(), &t));
+            }
+            None => out.push(t),
+        }
+    }
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(fixture_dir(name).join(f), dir.join(f)).unwrap();
+    }
+    write_safetensors(&dir.join("model.safetensors"), &out).unwrap();
+    shards
+}
+
+/// FP8 E4M3 codes and their scales (per row `[rows]` for shard 0, `[rows, 1]` for shard 1, one
+/// per tensor from shard 2 on: the layouts ModelOpt writes), and the same values dequantized.
+fn quantize_shard(i: usize, t: &HostTensor) -> (Vec<HostTensor>, HostTensor) {
+    use capy_engine::quant::fp8::E4M3_TO_F32;
+    let (rows, dim) = (t.shape[0], t.shape[1]);
+    let v = t.to_f32().unwrap();
+    let row_max: Vec<f32> = v
+        .chunks_exact(dim)
+        .map(|r| r.iter().fold(1e-6f32, |m, x| m.max(x.abs())))
+        .collect();
+    let per_tensor = i >= 2;
+    let scales: Vec<f32> = if per_tensor {
+        vec![row_max.iter().fold(0f32, |m, &x| m.max(x)) / 448.0]
+    } else {
+        row_max.iter().map(|m| m / 448.0).collect()
+    };
+    let scale_of = |r: usize| scales[if per_tensor { 0 } else { r }];
+    let codes: Vec<u8> = v
+        .iter()
+        .enumerate()
+        .map(|(k, x)| to_e4m3(x / scale_of(k / dim)))
+        .collect();
+    let dequantized: Vec<f32> = codes
+        .iter()
+        .enumerate()
+        .map(|(k, &c)| E4M3_TO_F32[c as usize] * scale_of(k / dim))
+        .collect();
+    let scale_shape = match (per_tensor, i) {
+        (true, _) => vec![],
+        (false, 1) => vec![rows, 1],
+        (false, _) => vec![rows],
+    };
+    let fp8 = vec![
+        HostTensor {
+            name: t.name.clone(),
+            dtype: DType::F8E4M3,
+            shape: t.shape.clone(),
+            data: Bytes::from_vec(codes),
+        },
+        HostTensor::from_f32(&format!("{}_scale", t.name), scale_shape, &scales),
+    ];
+    (
+        fp8,
+        HostTensor::from_f32(&t.name, t.shape.clone(), &dequantized),
+    )
+}
+
+#[test]
+fn fp8_ngram_table_matches_the_same_table_dequantized_to_f32() {
+    for name in FIXTURES {
+        let fx = fixture(name);
+        let (fp8_dir, f32_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let shards = with_table(name, fp8_dir.path(), |i, t| quantize_shard(i, t).0);
+        assert!(shards >= 3, "{name}: the table is sharded");
+        with_table(name, f32_dir.path(), |i, t| vec![quantize_shard(i, t).1]);
+        let ck = Checkpoint::open(fp8_dir.path()).unwrap();
+        assert!(ck
+            .weights
+            .store()
+            .names()
+            .any(|n| n.ends_with("ngram_embedding.shard_0.weight_scale")));
+        let mut fp8 = Qwen4ExpText::load(CpuBackend::new(), &ck).unwrap();
+        let mut f32m = load_dir(f32_dir.path());
+        let a = run_chunked(&mut fp8, &fx.prompts, 5);
+        let b = run_chunked(&mut f32m, &fx.prompts, 1000);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            // Row by row the FP8 reader computes exactly the dequantized values.
+            let d = max_diff(x, y);
+            assert!(
+                d <= 1e-5,
+                "{name} prompt {i}: FP8 vs dequantized F32 max |Δ| {d}"
+            );
+            // And the table matters: rounding it to FP8 moves the logits off the F32 reference.
+            assert!(
+                max_diff(x, &fx.logits[i]) > 0.0,
+                "{name} prompt {i}: the FP8 table changed nothing"
+            );
+        }
+    }
+}
+
+#[test]
+fn fp8_ngram_table_without_its_scale_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    with_table("fused", dir.path(), |i, t| {
+        let mut q = quantize_shard(i, t).0;
+        if i == 1 {
+            q.truncate(1);
+        }
+        q
+    });
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let e = format!(
+        "{:#}",
+        Qwen4ExpText::load(CpuBackend::new(), &ck).err().unwrap()
+    );
+    assert!(e.contains("shard_1.weight_scale is missing"), "{e}");
 }

@@ -1,8 +1,8 @@
 //! `POST /v1/messages` and `/v1/messages/count_tokens`: the Anthropic Messages adapter.
 //! `anthropic-version` and `anthropic-beta` headers are accepted and ignored.
 
-use crate::error::{parse_body, ApiError, ErrorKind, Flavor};
-use crate::generate::{self, Collected, OutputEvent, StopReason, UsageReport};
+use crate::error::{parse_body, ApiError, Flavor};
+use crate::generate::{Collected, OutputEvent, StopReason, UsageReport};
 use crate::normalize::{self, content_text, function_tool, ChatRequest, ToolChoice};
 use crate::parser::ParsedEvent;
 use crate::sse::{self, json_event, StreamAdapter};
@@ -169,13 +169,22 @@ fn to_chat_request(r: MessagesRequest, for_counting: bool) -> Result<ChatRequest
         }
     };
     // No `thinking` field means no thinking, as in the Anthropic API.
-    let enable_thinking = Some(
-        r.thinking
-            .as_ref()
-            .and_then(|t| t.get("type"))
-            .and_then(Value::as_str)
-            .is_some_and(|t| t == "enabled" || t == "adaptive"),
-    );
+    let thinking_type = r
+        .thinking
+        .as_ref()
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str);
+    let enable_thinking = Some(matches!(thinking_type, Some("enabled" | "adaptive")));
+    let thinking_budget = match r.thinking.as_ref().and_then(|t| t.get("budget_tokens")) {
+        None | Some(Value::Null) => None,
+        Some(_) if enable_thinking == Some(false) => None,
+        Some(v) => Some(v.as_u64().map(|n| n as usize).ok_or_else(|| {
+            ApiError::invalid(
+                FLAVOR,
+                format!("thinking.budget_tokens: Input should be a non-negative integer, got {v}"),
+            )
+        })?),
+    };
     let d = SamplingParams::default();
     let sampling = SamplingParams {
         temperature: r.temperature.unwrap_or(d.temperature),
@@ -191,6 +200,7 @@ fn to_chat_request(r: MessagesRequest, for_counting: bool) -> Result<ChatRequest
         tools,
         tool_choice,
         enable_thinking,
+        thinking_budget,
         template_kwargs: Default::default(),
         sampling,
         max_tokens,
@@ -217,8 +227,7 @@ pub async fn handle(
     let req: MessagesRequest = parse_body(FLAVOR, body)?;
     let stream = req.stream;
     let chat = to_chat_request(req, false)?;
-    let prepared = normalize::prepare(&state, chat, FLAVOR)?;
-    let generation = generate::start(&state, prepared, FLAVOR)?;
+    let generation = normalize::start(&state, chat, FLAVOR)?;
     let id = new_id("msg_");
     let model = state.model_id.clone();
     if stream {
@@ -233,10 +242,7 @@ pub async fn handle(
         };
         return Ok(sse::respond(generation, adapter, state.config.keepalive));
     }
-    let c = generation
-        .collect()
-        .await
-        .map_err(|e| ApiError::new(FLAVOR, ErrorKind::Internal, e))?;
+    let c = normalize::collect(generation, FLAVOR).await?;
     Ok(Json(message_json(&id, &model, &c)).into_response())
 }
 

@@ -6,6 +6,7 @@
 //! [`parser`]) → the adapter's events, written as SSE by [`sse`]. Everything but the adapters is
 //! shared.
 
+pub mod admin;
 pub mod anthropic_messages;
 pub mod error;
 pub mod generate;
@@ -15,6 +16,7 @@ pub mod openai_responses;
 pub mod parser;
 pub mod sse;
 pub mod state;
+pub mod ui;
 
 pub use state::{AppState, ServerConfig, DEFAULT_PORT};
 
@@ -50,6 +52,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/v1/messages/count_tokens",
             post(anthropic_messages::count_tokens),
         )
+        .merge(admin::routes())
+        .merge(ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -84,7 +88,11 @@ async fn check_api_key(State(state): State<Arc<AppState>>, req: Request, next: N
     let Some(key) = state.config.api_key.as_deref() else {
         return next.run(req).await;
     };
-    if req.uri().path() == "/health" || req.method() == Method::OPTIONS {
+    // The dashboard's files are public; its /admin calls carry the key.
+    if req.uri().path() == "/health"
+        || req.uri().path().starts_with("/ui")
+        || req.method() == Method::OPTIONS
+    {
         return next.run(req).await;
     }
     let h = req.headers();

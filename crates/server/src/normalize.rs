@@ -1,12 +1,30 @@
 //! The request every adapter normalises into, and its preparation: chat template → tokens →
 //! a scheduler request plus the output parser's configuration. Shared by all APIs.
+//!
+//! Reasoning controls, per API, all ending in [`ChatRequest::enable_thinking`] and
+//! [`ChatRequest::thinking_budget`]:
+//! - Chat completions: `chat_template_kwargs.enable_thinking`, `reasoning_effort`, and a
+//!   thinking budget as `thinking_budget` (top level) or `chat_template_kwargs.thinking_budget`
+//!   (the top level wins when both are given).
+//! - Responses: `reasoning.effort` (and `chat_template_kwargs` as in chat).
+//! - Messages: `thinking: {"type": "enabled", "budget_tokens": N}`; no `thinking` or
+//!   `{"type": "disabled"}` turns thinking off, as in the Anthropic API.
+//!
+//! Effort → budget ([`effort_budget`]): `none` / `minimal`: thinking off; `low`: 1,024 tokens;
+//! `medium`: 8,192; `high`: 32,768; any other value: thinking on, no budget.
+//!
+//! A budget closes the thinking block early: once the model has produced that many tokens
+//! inside `<think>`, the scheduler forces the tokens of "\n</think>\n\n" and generation goes
+//! on normally ([`capy_engine::scheduler::ThinkingBudget`]). The forced tokens are output
+//! tokens: they count in `output_tokens`, and up to `</think>` in the reasoning tokens.
 
 use crate::error::{ApiError, ErrorKind, Flavor};
+use crate::generate::{self, Collected, Generation};
 use crate::parser::ParserConfig;
 use crate::state::AppState;
 use capy_engine::chat_template::ChatTemplateInput;
 use capy_engine::sampling::SamplingParams;
-use capy_engine::scheduler::{GenerationRequest, StopConditions};
+use capy_engine::scheduler::{GenerationRequest, StopConditions, ThinkingBudget};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
 
@@ -30,6 +48,8 @@ pub struct ChatRequest {
     pub tool_choice: ToolChoice,
     /// `None` leaves the template's default (Qwen: thinking on).
     pub enable_thinking: Option<bool>,
+    /// Tokens the model may think before its thinking block is closed for it; `None`: no limit.
+    pub thinking_budget: Option<usize>,
     pub template_kwargs: Map<String, Value>,
     pub sampling: SamplingParams,
     pub max_tokens: Option<usize>,
@@ -41,6 +61,77 @@ pub struct Prepared {
     pub generation: GenerationRequest,
     pub parser: ParserConfig,
     pub prompt_tokens: usize,
+}
+
+/// Thinking on/off and budget for a `reasoning_effort` / `reasoning.effort` value (see the
+/// module documentation for the table).
+pub fn effort_budget(effort: &str) -> (bool, Option<usize>) {
+    match effort {
+        "none" | "minimal" => (false, None),
+        "low" => (true, Some(1024)),
+        "medium" => (true, Some(8192)),
+        "high" => (true, Some(32_768)),
+        _ => (true, None),
+    }
+}
+
+/// What [`openai_reasoning`] makes of a request's reasoning controls.
+pub struct Reasoning {
+    /// `chat_template_kwargs` without the keys taken out.
+    pub template_kwargs: Map<String, Value>,
+    pub enable_thinking: Option<bool>,
+    /// Thinking tokens before thinking is closed.
+    pub budget: Option<usize>,
+}
+
+/// The reasoning controls the OpenAI APIs share: `chat_template_kwargs` (its
+/// `enable_thinking` and `thinking_budget` are taken out, the rest goes to the template), an
+/// effort, and a top-level budget.
+pub fn openai_reasoning(
+    kwargs: Option<Map<String, Value>>,
+    effort: Option<&str>,
+    top_level_budget: Option<usize>,
+    flavor: Flavor,
+) -> Result<Reasoning, ApiError> {
+    let mut kwargs = kwargs.unwrap_or_default();
+    let mut enable_thinking = kwargs.remove("enable_thinking").and_then(|v| v.as_bool());
+    let kwargs_budget = match kwargs.remove("thinking_budget") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_u64().map(|n| n as usize).ok_or_else(|| {
+            ApiError::invalid(
+                flavor,
+                format!(
+                    "chat_template_kwargs.thinking_budget must be a non-negative integer, got {v}"
+                ),
+            )
+            .with_param("chat_template_kwargs.thinking_budget")
+        })?),
+    };
+    let mut budget = top_level_budget.or(kwargs_budget);
+    if let Some(effort) = effort {
+        let (on, effort_budget) = effort_budget(effort);
+        enable_thinking = Some(on);
+        budget = budget.or(effort_budget);
+    }
+    Ok(Reasoning {
+        template_kwargs: kwargs,
+        enable_thinking,
+        budget,
+    })
+}
+
+/// Prepares and submits a request: what every adapter's handler does first.
+pub fn start(state: &AppState, req: ChatRequest, flavor: Flavor) -> Result<Generation, ApiError> {
+    let prepared = prepare(state, req, flavor)?;
+    generate::start(state, prepared, flavor)
+}
+
+/// Runs a generation to its end (non-streaming responses); a failure in `flavor`'s shape.
+pub async fn collect(generation: Generation, flavor: Flavor) -> Result<Collected, ApiError> {
+    generation
+        .collect()
+        .await
+        .map_err(|e| ApiError::new(flavor, ErrorKind::Internal, e))
 }
 
 /// Puts all system text into one leading system message (the Qwen templates accept a system
@@ -183,6 +274,17 @@ pub fn prepare(state: &AppState, req: ChatRequest, flavor: Flavor) -> Result<Pre
         prompt.push_str(call);
     }
     let start_in_reasoning = prefilled_call.is_none() && prompt.trim_end().ends_with("<think>");
+    // The budget applies where the model may still think: the prompt opened the block, or
+    // thinking was not turned off and the model may open it itself.
+    let thinking_budget = match req.thinking_budget {
+        Some(max_tokens)
+            if prefilled_call.is_none()
+                && (start_in_reasoning || req.enable_thinking != Some(false)) =>
+        {
+            thinking_budget(state, max_tokens, start_in_reasoning, flavor)?
+        }
+        _ => None,
+    };
     let tokens = state.tokenizer.encode(&prompt, false).map_err(|e| {
         ApiError::new(
             flavor,
@@ -232,6 +334,8 @@ pub fn prepare(state: &AppState, req: ChatRequest, flavor: Flavor) -> Result<Pre
                 strings: req.stop,
             },
             skip_special_tokens: true,
+            cache_key: None,
+            thinking_budget,
         },
         parser: ParserConfig {
             start_in_reasoning,
@@ -241,6 +345,37 @@ pub fn prepare(state: &AppState, req: ChatRequest, flavor: Flavor) -> Result<Pre
         },
         prompt_tokens,
     })
+}
+
+/// The scheduler's budget, in the model's tokens: `</think>` must be one token (Qwen
+/// tokenizers); a tokenizer without it cannot have its thinking closed, and says so.
+fn thinking_budget(
+    state: &AppState,
+    max_tokens: usize,
+    starts_inside: bool,
+    flavor: Flavor,
+) -> Result<Option<ThinkingBudget>, ApiError> {
+    let tok = &state.tokenizer;
+    let Some(close_token) = tok.token_to_id("</think>") else {
+        return Err(ApiError::invalid(
+            flavor,
+            "a thinking budget was given, but the loaded model's tokenizer has no </think> token to close thinking with; leave the budget out",
+        ));
+    };
+    let close_sequence = tok.encode("\n</think>\n\n", false).map_err(|e| {
+        ApiError::new(
+            flavor,
+            ErrorKind::Internal,
+            format!("tokenizing the thinking close failed: {e:#}"),
+        )
+    })?;
+    Ok(Some(ThinkingBudget {
+        max_tokens,
+        starts_inside,
+        open_token: tok.token_to_id("<think>"),
+        close_token,
+        close_sequence,
+    }))
 }
 
 /// Token count of a request's prompt (for `count_tokens` / `input_tokens`).
@@ -301,6 +436,48 @@ mod tests {
         assert_eq!(m[0], json!({"role": "system", "content": "A\n\nB"}));
         assert_eq!(m[1]["role"], "user");
         assert_eq!(m.len(), 2);
+    }
+
+    #[test]
+    fn effort_maps_to_thinking_and_budget() {
+        assert_eq!(effort_budget("minimal"), (false, None));
+        assert_eq!(effort_budget("none"), (false, None));
+        assert_eq!(effort_budget("low"), (true, Some(1024)));
+        assert_eq!(effort_budget("medium"), (true, Some(8192)));
+        assert_eq!(effort_budget("high"), (true, Some(32_768)));
+        assert_eq!(effort_budget("extreme"), (true, None));
+    }
+
+    #[test]
+    fn openai_reasoning_takes_its_keys_out_of_the_template_kwargs() {
+        let kwargs = json!({"enable_thinking": true, "thinking_budget": 7, "other": 1});
+        let kwargs = kwargs.as_object().cloned();
+        let r = openai_reasoning(kwargs.clone(), None, None, Flavor::OpenAi).unwrap();
+        let (rest, on, budget) = (r.template_kwargs, r.enable_thinking, r.budget);
+        assert_eq!(Value::Object(rest), json!({"other": 1}));
+        assert_eq!((on, budget), (Some(true), Some(7)));
+        // The top level beats the kwargs, the kwargs beat the effort's budget; the effort
+        // decides on/off.
+        let Reasoning {
+            enable_thinking: on,
+            budget,
+            ..
+        } = openai_reasoning(kwargs.clone(), Some("low"), Some(3), Flavor::OpenAi).unwrap();
+        assert_eq!((on, budget), (Some(true), Some(3)));
+        let Reasoning {
+            enable_thinking: on,
+            budget,
+            ..
+        } = openai_reasoning(kwargs, Some("minimal"), None, Flavor::OpenAi).unwrap();
+        assert_eq!((on, budget), (Some(false), Some(7)));
+        let Reasoning {
+            enable_thinking: on,
+            budget,
+            ..
+        } = openai_reasoning(None, Some("medium"), None, Flavor::OpenAi).unwrap();
+        assert_eq!((on, budget), (Some(true), Some(8192)));
+        let bad = json!({"thinking_budget": -2}).as_object().cloned();
+        assert!(openai_reasoning(bad, None, None, Flavor::OpenAi).is_err());
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions`: the OpenAI chat completions adapter.
 
 use crate::error::{parse_body, ApiError, Flavor};
-use crate::generate::{self, Collected, OutputEvent, UsageReport};
+use crate::generate::{Collected, OutputEvent, UsageReport};
 use crate::normalize::{
     self, arguments_object, content_text, function_tool, ChatRequest, ToolChoice,
 };
@@ -49,6 +49,10 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     #[serde(default)]
     pub reasoning_effort: Option<String>,
+    /// Tokens the model may think before its thinking is closed (also accepted as
+    /// `chat_template_kwargs.thinking_budget`).
+    #[serde(default)]
+    pub thinking_budget: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -222,11 +226,16 @@ fn to_chat_request(r: ChatCompletionRequest) -> Result<(ChatRequest, bool), ApiE
             ))
         })
         .collect();
-    let mut kwargs = r.chat_template_kwargs.unwrap_or_default();
-    let mut enable_thinking = kwargs.remove("enable_thinking").and_then(|v| v.as_bool());
-    if let Some(effort) = r.reasoning_effort.as_deref() {
-        enable_thinking = Some(!matches!(effort, "none" | "minimal"));
-    }
+    let normalize::Reasoning {
+        template_kwargs: kwargs,
+        enable_thinking,
+        budget: thinking_budget,
+    } = normalize::openai_reasoning(
+        r.chat_template_kwargs,
+        r.reasoning_effort.as_deref(),
+        r.thinking_budget,
+        FLAVOR,
+    )?;
     let include_usage = r.stream_options.map(|o| o.include_usage).unwrap_or(false);
     Ok((
         ChatRequest {
@@ -234,6 +243,7 @@ fn to_chat_request(r: ChatCompletionRequest) -> Result<(ChatRequest, bool), ApiE
             tools,
             tool_choice: tool_choice(r.tool_choice.as_ref())?,
             enable_thinking,
+            thinking_budget,
             template_kwargs: kwargs,
             sampling: r.sampling.to_params(FLAVOR)?,
             max_tokens: r.max_completion_tokens.or(r.max_tokens),
@@ -261,8 +271,7 @@ pub async fn handle(
     let req: ChatCompletionRequest = parse_body(FLAVOR, body)?;
     let stream = req.stream;
     let (chat, include_usage) = to_chat_request(req)?;
-    let prepared = normalize::prepare(&state, chat, FLAVOR)?;
-    let generation = generate::start(&state, prepared, FLAVOR)?;
+    let generation = normalize::start(&state, chat, FLAVOR)?;
     let id = new_id("chatcmpl-");
     let model = state.model_id.clone();
     if stream {
@@ -274,10 +283,7 @@ pub async fn handle(
         };
         return Ok(sse::respond(generation, adapter, state.config.keepalive));
     }
-    let c = generation
-        .collect()
-        .await
-        .map_err(|e| ApiError::new(FLAVOR, crate::error::ErrorKind::Internal, e))?;
+    let c = normalize::collect(generation, FLAVOR).await?;
     Ok(Json(completion_json(&id, &model, &c)).into_response())
 }
 

@@ -1,8 +1,8 @@
 //! `POST /v1/responses` and `/v1/responses/input_tokens`: the OpenAI Responses adapter, with
 //! the event sequence Codex reads.
 
-use crate::error::{parse_body, ApiError, ErrorKind, Flavor};
-use crate::generate::{self, Collected, OutputEvent, StopReason, UsageReport};
+use crate::error::{parse_body, ApiError, Flavor};
+use crate::generate::{Collected, OutputEvent, StopReason, UsageReport};
 use crate::normalize::{self, arguments_object, content_text, function_tool, ChatRequest};
 use crate::openai_chat::{tool_choice, SamplingFields};
 use crate::parser::ParsedEvent;
@@ -159,21 +159,22 @@ fn to_chat_request(r: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
             ))
         })
         .collect();
-    let mut kwargs = r.chat_template_kwargs.clone().unwrap_or_default();
-    let mut enable_thinking = kwargs.remove("enable_thinking").and_then(|v| v.as_bool());
-    if let Some(effort) = r
+    let effort = r
         .reasoning
         .as_ref()
         .and_then(|v| v.get("effort"))
-        .and_then(Value::as_str)
-    {
-        enable_thinking = Some(!matches!(effort, "none" | "minimal"));
-    }
+        .and_then(Value::as_str);
+    let normalize::Reasoning {
+        template_kwargs: kwargs,
+        enable_thinking,
+        budget: thinking_budget,
+    } = normalize::openai_reasoning(r.chat_template_kwargs.clone(), effort, None, FLAVOR)?;
     Ok(ChatRequest {
         messages: merged,
         tools,
         tool_choice: tool_choice(r.tool_choice.as_ref())?,
         enable_thinking,
+        thinking_budget,
         template_kwargs: kwargs,
         sampling: r.sampling.to_params(FLAVOR)?,
         max_tokens: r.max_output_tokens,
@@ -257,8 +258,7 @@ pub async fn handle(
         top_p: req.sampling.top_p,
     };
     let chat = to_chat_request(&req)?;
-    let prepared = normalize::prepare(&state, chat, FLAVOR)?;
-    let generation = generate::start(&state, prepared, FLAVOR)?;
+    let generation = normalize::start(&state, chat, FLAVOR)?;
     let id = new_id("resp_");
     let model = state.model_id.clone();
     let created = unix_now();
@@ -275,10 +275,7 @@ pub async fn handle(
         };
         return Ok(sse::respond(generation, adapter, state.config.keepalive));
     }
-    let c = generation
-        .collect()
-        .await
-        .map_err(|e| ApiError::new(FLAVOR, ErrorKind::Internal, e))?;
+    let c = normalize::collect(generation, FLAVOR).await?;
     Ok(Json(collected_json(&id, &model, created, &meta, &c)).into_response())
 }
 

@@ -653,3 +653,170 @@ async fn named_tool_choice_prefills_the_call_with_injected_parameters_and_histor
     let (s, r) = post(srv.addr, "/v1/messages", body).await;
     assert_eq!(s, 400, "{r}");
 }
+
+const LONG_THOUGHT: &str = "First I consider the question from every side, then I weigh each option slowly, and only then do I answer.";
+
+/// The scripted model's tokens for LONG_THOUGHT, split as a thinking budget of `budget`
+/// splits them: (thinking tokens, tokens under the forced close, answer tokens).
+fn budget_split(budget: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let tok = tokenizer();
+    let script = tok.encode(LONG_THOUGHT, false).unwrap();
+    let close = tok.encode("\n</think>\n\n", false).unwrap();
+    (
+        script[..budget].to_vec(),
+        close.clone(),
+        script[budget + close.len()..].to_vec(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thinking_budget_closes_thinking_early_in_every_api() {
+    let srv = start(
+        LONG_THOUGHT,
+        SchedulerConfig::default(),
+        ServerConfig::default(),
+        Duration::ZERO,
+    )
+    .await;
+    let tok = tokenizer();
+    let budget = 5;
+    let (thought, close, answer) = budget_split(budget);
+    let thought_text = tok.decode(&thought, true).unwrap();
+    let answer_text = tok.decode(&answer, true).unwrap();
+    // Every generated token (thinking, the 3 forced ones, the answer, the end token) is output.
+    let output_tokens = thought.len() + close.len() + answer.len() + 1;
+    // The block's tokens: the budget, then the forced "\n" and "</think>".
+    let reasoning_tokens = budget + 2;
+
+    // Anthropic: thinking.budget_tokens.
+    let (status, m) = post(
+        srv.addr,
+        "/v1/messages",
+        json!({"model": "claude-sonnet-4", "max_tokens": 200, "thinking": {"type": "enabled", "budget_tokens": budget},
+               "messages": [{"role": "user", "content": "Think, then answer."}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{m}");
+    let content = m["content"].as_array().unwrap();
+    assert_eq!(content.len(), 2, "{m}");
+    assert_eq!(content[0]["type"], "thinking");
+    assert_eq!(
+        content[0]["thinking"].as_str().unwrap().trim(),
+        thought_text.trim()
+    );
+    assert_eq!(content[1]["type"], "text");
+    assert_eq!(
+        content[1]["text"].as_str().unwrap().trim(),
+        answer_text.trim()
+    );
+    assert_eq!(m["stop_reason"], "end_turn");
+    assert_eq!(m["usage"]["output_tokens"], output_tokens);
+
+    // Chat completions: the budget in chat_template_kwargs, and at the top level.
+    for extra in [
+        json!({"chat_template_kwargs": {"thinking_budget": budget}}),
+        json!({"thinking_budget": budget, "chat_template_kwargs": {"thinking_budget": 1000}}),
+    ] {
+        let mut body = json!({"model": "gpt-4o", "max_tokens": 200,
+                              "messages": [{"role": "user", "content": "Think, then answer."}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, c) = post(srv.addr, "/v1/chat/completions", body).await;
+        assert_eq!(status, 200, "{c}");
+        let msg = &c["choices"][0]["message"];
+        assert_eq!(
+            msg["reasoning_content"].as_str().unwrap().trim(),
+            thought_text.trim()
+        );
+        assert_eq!(msg["content"].as_str().unwrap().trim(), answer_text.trim());
+        assert_eq!(c["choices"][0]["finish_reason"], "stop");
+        assert_eq!(c["usage"]["completion_tokens"], output_tokens);
+        assert_eq!(
+            c["usage"]["completion_tokens_details"]["reasoning_tokens"],
+            reasoning_tokens
+        );
+    }
+
+    // Responses, streaming: the reasoning item is done before the message starts.
+    let (status, _, text) = request(
+        srv.addr,
+        "POST",
+        "/v1/responses",
+        &[],
+        &json!({"model": "gpt-5-codex", "stream": true, "input": "Think, then answer.",
+                "chat_template_kwargs": {"thinking_budget": budget}})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let events = sse_events(&text);
+    let done: Vec<&Value> = events
+        .iter()
+        .filter(|e| e.1["type"] == "response.output_item.done")
+        .map(|e| &e.1["item"])
+        .collect();
+    assert_eq!(done.len(), 2, "{text}");
+    assert_eq!(done[0]["type"], "reasoning");
+    assert_eq!(
+        done[0]["content"][0]["text"].as_str().unwrap().trim(),
+        thought_text.trim()
+    );
+    assert_eq!(done[1]["type"], "message");
+    assert_eq!(
+        done[1]["content"][0]["text"].as_str().unwrap().trim(),
+        answer_text.trim()
+    );
+    let completed = &events.last().unwrap().1;
+    assert_eq!(completed["type"], "response.completed");
+    assert_eq!(
+        completed["response"]["usage"]["output_tokens"],
+        output_tokens
+    );
+    assert_eq!(
+        completed["response"]["usage"]["output_tokens_details"]["reasoning_tokens"],
+        reasoning_tokens
+    );
+
+    // Without a budget the same model thinks through the whole script.
+    let (_, c) = post(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"model": "m", "messages": [{"role": "user", "content": "Think."}]}),
+    )
+    .await;
+    assert_eq!(
+        c["choices"][0]["message"]["reasoning_content"]
+            .as_str()
+            .unwrap()
+            .trim(),
+        LONG_THOUGHT
+    );
+
+    // A bad budget is the API's own 400.
+    let (status, e) = post(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+               "chat_template_kwargs": {"thinking_budget": "lots"}}),
+    )
+    .await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["param"], "chat_template_kwargs.thinking_budget");
+    let (status, e) = post(
+        srv.addr,
+        "/v1/messages",
+        json!({"model": "m", "max_tokens": 10, "thinking": {"type": "enabled", "budget_tokens": -1},
+               "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["type"], "error");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("budget_tokens"),
+        "{e}"
+    );
+}

@@ -27,15 +27,18 @@ pub enum Kind {
     CpuExperts(super::bench_cpu_experts::BenchCpuExpertsArgs),
     /// Whole-model decode and prefill on a GPU with synthetic full-size weights.
     Gpu(super::bench_gpu::BenchGpuArgs),
+    /// Flash-Next routed experts behind a VRAM expert cache, misses on the CPU.
+    Hybrid(super::bench_hybrid::BenchHybridArgs),
 }
 
 #[derive(clap::Args)]
 pub struct CpuArgs {
-    /// Model folder or "demo"; conflicts with --synthetic.
+    /// Model folder, "demo" or "demo-moe"; conflicts with --synthetic.
     #[arg(long, conflicts_with = "synthetic")]
     pub model: Option<String>,
-    /// A synthetic dense qwen3_5_text shape with random BF16 weights: "1b" (hidden 2048,
-    /// 16 layers, vocab 32768) or "HIDDEN,LAYERS,VOCAB".
+    /// A synthetic shape with random BF16 weights: "1b" (dense qwen3_5_text, hidden 2048,
+    /// 16 layers, vocab 32768), "HIDDEN,LAYERS,VOCAB" (dense), or "moe-mid" (qwen4_exp_text,
+    /// hidden 1024, 8 layers, 64 experts of width 256, top-8).
     #[arg(long)]
     pub synthetic: Option<String>,
     /// Prompt length for the prefill measurement.
@@ -51,6 +54,7 @@ pub fn run(a: Args) -> Result<()> {
         Kind::Cpu(c) => bench_cpu(c)?,
         Kind::CpuExperts(c) => super::bench_cpu_experts::run(c)?,
         Kind::Gpu(g) => super::bench_gpu::run(g)?,
+        Kind::Hybrid(h) => super::bench_hybrid::run_bench(h)?,
     };
     let text = serde_json::to_string_pretty(&record)?;
     println!("{text}");
@@ -94,6 +98,22 @@ pub fn commit() -> String {
 }
 
 fn synthetic_dir(spec: &str) -> Result<PathBuf> {
+    if spec == "moe-mid" {
+        let dir = demo::cache_dir()?.join("synthetic-moe-mid-bf16-v1");
+        if !dir.join("model.safetensors").exists() {
+            eprintln!("generating synthetic checkpoint {} (once)…", dir.display());
+            let tmp = dir.with_extension("partial");
+            let _ = std::fs::remove_dir_all(&tmp);
+            demo::write_random_checkpoint(
+                &capy_engine::synthetic::config(spec)?,
+                &tmp,
+                DType::BF16,
+                1,
+            )?;
+            std::fs::rename(&tmp, &dir)?;
+        }
+        return Ok(dir);
+    }
     let (h, l, v) = match spec {
         "1b" => (2048, 16, 32768),
         other => {
@@ -102,7 +122,7 @@ fn synthetic_dir(spec: &str) -> Result<PathBuf> {
                 .map(|p| p.trim().parse())
                 .collect::<Result<_, _>>()
                 .with_context(|| {
-                    format!("--synthetic \"{other}\": expected \"1b\" or HIDDEN,LAYERS,VOCAB")
+                    format!("--synthetic \"{other}\": expected \"1b\", \"moe-mid\" or HIDDEN,LAYERS,VOCAB")
                 })?;
             if parts.len() != 3 {
                 bail!("--synthetic \"{other}\": expected three numbers HIDDEN,LAYERS,VOCAB");
@@ -131,7 +151,7 @@ fn bench_cpu(a: CpuArgs) -> Result<Value> {
         (Some(m), _) if demo::is_demo_name(m) => demo::ensure_demo_model(m)?,
         (Some(m), _) => PathBuf::from(m),
         (None, Some(s)) => synthetic_dir(s)?,
-        (None, None) => bail!("give --model DIR|demo or --synthetic 1b"),
+        (None, None) => bail!("give --model DIR|demo|demo-moe or --synthetic 1b|moe-mid"),
     };
     if a.prompt_tokens == 0 || a.decode_tokens == 0 {
         bail!("--prompt-tokens and --decode-tokens must be positive");
@@ -139,6 +159,7 @@ fn bench_cpu(a: CpuArgs) -> Result<Value> {
     let ck = Checkpoint::open(&dir)?;
     let mut lm = model::load(CpuBackend::new(), &ck)?;
     let info = lm.info().clone();
+    let used = model::weight_use(&ck);
     let vocab = info.vocab_size as u32;
     let prompt: Vec<u32> = (0..a.prompt_tokens as u32)
         .map(|i| (i * 7919 + 13) % vocab)
@@ -182,25 +203,24 @@ fn bench_cpu(a: CpuArgs) -> Result<Value> {
 
     let prefill_tps = a.prompt_tokens as f64 / prefill_s;
     let decode_tps = a.decode_tokens as f64 / decode_s;
-    // Every weight is read once per decode step; the embedding only by one row.
-    let embed_bytes = info.vocab_size * info.hidden_size * bytes_per_weight(&info);
-    let bytes_per_token = info.weight_bytes.saturating_sub(embed_bytes) as f64;
-    let flops_per_token = 2.0 * (info.parameters - info.vocab_size * info.hidden_size) as f64;
+    // A decode step reads every dense weight once, one embedding row, the n-gram rows it
+    // gathers and only the top-k routed experts (the ACTIVE weights); each active matrix
+    // weight costs 2 FLOPs per token.
+    let bytes_per_token = used.active_bytes;
+    let flops_per_token = 2.0 * used.active_matmul_parameters;
     Ok(json!({
         "bench": "cpu",
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "commit": commit(),
         "machine": machine(),
-        "model": {"path": dir.display().to_string(), "parameters": info.parameters, "weight_bytes": info.weight_bytes, "backend": info.backend},
+        "model": {"path": dir.display().to_string(), "architecture": info.architecture, "parameters": info.parameters,
+                  "weight_bytes": info.weight_bytes, "active_parameters_per_token": used.active_parameters,
+                  "backend": info.backend},
         "ceilings": {"ram_read_bytes_per_s": bandwidth, "fma_flops_per_s": fma_peak},
         "prefill": {"tokens": a.prompt_tokens, "seconds": prefill_s, "tokens_per_s": prefill_tps,
-                     "flops_ratio": prefill_tps * flops_per_token / fma_peak},
+                     "flops_per_token": flops_per_token, "flops_ratio": prefill_tps * flops_per_token / fma_peak},
         "decode": {"context": a.prompt_tokens, "tokens": a.decode_tokens, "seconds": decode_s, "tokens_per_s": decode_tps,
                     "weight_bytes_per_token": bytes_per_token,
                     "bandwidth_ratio": decode_tps * bytes_per_token / bandwidth},
     }))
-}
-
-fn bytes_per_weight(info: &capy_engine::model::ModelInfo) -> usize {
-    (info.weight_bytes / info.parameters.max(1)).max(1)
 }

@@ -1,6 +1,8 @@
-//! `capy-flash bench gpu --synthetic qwen3.8-27b`: the full-size model with random BF16
-//! weights on one CUDA GPU; prefill and batch-1 decode at a long context, each as a ratio to
-//! the ceilings (device copy bandwidth, BF16 GEMM rate) measured in the same run.
+//! `capy-flash bench gpu --synthetic qwen3.8-27b [--quant bf16|nvfp4|iq3_s|…]`: the full-size
+//! model with random weights on one CUDA GPU; prefill and batch-1 decode at a long context,
+//! each as a ratio to the ceilings (device copy bandwidth, BF16 GEMM rate) measured in the
+//! same run. `--vram-budget 15GiB` caps what the engine allocates (a smaller card played on a
+//! larger one); the run prints the VRAM plan first and is refused when it does not fit.
 
 use anyhow::Result;
 use capy_engine::backend::cuda::bench::{run_synthetic, SyntheticBenchOptions};
@@ -14,8 +16,13 @@ pub struct BenchGpuArgs {
     /// CUDA device index.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// Caps the bytes the engine allocates on the GPU.
-    #[arg(long)]
+    /// Projection weights: bf16, or a block format kept quantized on the GPU (nvfp4, iq3_s,
+    /// iq3_xxs, iq2_xs, q8_0, q2_0, fp8).
+    #[arg(long, default_value = "bf16")]
+    pub quant: String,
+    /// Caps the bytes the engine allocates on the GPU: a byte count or a size such as 15GiB,
+    /// 16GB, 512MiB.
+    #[arg(long, value_parser = parse_bytes)]
     pub vram_budget: Option<u64>,
     /// Prompt tokens prefilled (timed) before decoding; the decode context.
     #[arg(long, default_value_t = 8192)]
@@ -28,17 +35,80 @@ pub struct BenchGpuArgs {
     pub seed: u64,
 }
 
+/// `123`, `15GiB`, `16GB`, `1.5 GiB`, `512MiB`, `64k` (binary suffixes are powers of 1024,
+/// decimal ones of 1000).
+pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (t[..split].trim(), t[split..].trim());
+    let value: f64 = num.parse().map_err(|_| {
+        format!("{s:?} is not a size; expected bytes or a size such as 15GiB or 16GB")
+    })?;
+    let mult: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} in {s:?}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    Ok((value * mult).round() as u64)
+}
+
 /// Runs the benchmark and returns its JSON record (with the command line).
 pub fn run(a: BenchGpuArgs) -> Result<Value> {
+    let quant = match a.quant.to_ascii_lowercase().as_str() {
+        "bf16" | "none" => None,
+        other => Some(capy_engine::backend::cpu::experts::format::RowFormat::parse(other)?),
+    };
     let opts = SyntheticBenchOptions {
         shape: a.synthetic.clone(),
+        quant,
         device: a.device,
         vram_budget: a.vram_budget,
         context: a.context,
         decode_steps: a.decode_tokens,
         seed: a.seed,
     };
-    let mut record = run_synthetic(&opts)?;
+    let mut record = if a.synthetic == "qwen3.8-flash-next" {
+        if opts.quant.is_some() {
+            anyhow::bail!(
+                "--quant {}: the synthetic qwen3.8-flash-next GPU bench has BF16 weights only so far (use --quant bf16)",
+                a.quant
+            );
+        }
+        // All experts on the GPU (64 per layer in BF16; see the record's "reduced_shape").
+        capy_engine::backend::cuda::flash_next::run_synthetic_flash_next(&opts)?
+    } else {
+        run_synthetic(&opts)?
+    };
     record["command"] = std::env::args().collect::<Vec<_>>().join(" ").into();
     Ok(record)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("15GiB").unwrap(), 15 << 30);
+        assert_eq!(parse_bytes("16GB").unwrap(), 16_000_000_000);
+        assert_eq!(parse_bytes("1.5 GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("512mib").unwrap(), 512 << 20);
+        let e = parse_bytes("15 parsecs").unwrap_err();
+        assert!(e.contains("unknown size unit"), "{e}");
+        assert!(parse_bytes("GiB").unwrap_err().contains("not a size"));
+    }
 }

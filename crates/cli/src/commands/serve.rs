@@ -1,9 +1,18 @@
 //! `capy-flash serve`: the OpenAI- and Anthropic-compatible HTTP server.
+//!
+//! Before loading anything it runs the hardware guard of capy-hardware: the model folder is
+//! mapped to its configuration ([`model_folder::identify`]) and checked against this machine
+//! ([`guard::check_before_serve`]); a configuration that does not fit is refused with the
+//! numbers (`NINFER_RAM_GUARD=0` / `CAPY_RAM_GUARD=0` override the RAM part), and a CPU
+//! without AVX2 + FMA + F16C is refused for every model.
 
 use anyhow::{bail, Context, Result};
+use capy_engine::cache::{CacheConfig, CacheIdentity};
 use capy_engine::scheduler::SchedulerConfig;
+use capy_hardware::{guard, model_folder};
 use capy_server::{ServerConfig, DEFAULT_PORT};
 use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -33,12 +42,96 @@ pub struct Args {
     /// Name reported as the model id (default: the folder name, or "demo").
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Host RAM the prefix cache may hold (conversation states resumed across turns).
+    #[arg(long, default_value = "4GiB", value_parser = super::bench_gpu::parse_bytes)]
+    pub prefix_cache_ram: u64,
+    /// Disk budget of the prefix cache when idle chats are offloaded to disk.
+    #[arg(long, default_value = "64GiB", value_parser = super::bench_gpu::parse_bytes)]
+    pub prefix_cache_disk: u64,
+    /// Folder idle conversations are moved to (default: the dashboard's disk-offload setting;
+    /// RAM only when that is off).
+    #[arg(long)]
+    pub disk_offload: Option<std::path::PathBuf>,
+    /// Turn the prefix cache off: every request computes its whole prompt.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+/// The prefix cache's settings for the model in `dir`: disk entries are tied to the model's
+/// name and to a checksum of its config.json, so a changed checkpoint never resumes old states.
+fn prefix_cache_config(a: &Args, model_id: &str, dir: &Path) -> Option<CacheConfig> {
+    if a.no_prefix_cache {
+        return None;
+    }
+    let config_sum = std::fs::read(dir.join("config.json"))
+        .map(|b| crc32fast::hash(&b))
+        .unwrap_or(0);
+    let identity = CacheIdentity {
+        model_id: format!("{model_id}:{config_sum:08x}"),
+        format: "cpu-f32".into(),
+    };
+    let mut c = CacheConfig::new(identity);
+    c.ram_bytes = a.prefix_cache_ram as usize;
+    c.disk_bytes = a.prefix_cache_disk;
+    c.disk_dir = a.disk_offload.clone().or_else(|| {
+        let s = capy_server::admin::Settings::load(capy_server::admin::settings_path().as_deref());
+        s.disk_offload.then_some(s.disk_offload_dir)
+    });
+    Some(c)
+}
+
+/// The hardware guard, run before anything is loaded: which configuration `model` is, and
+/// whether this machine runs it. Refuses with the numbers; prints the warnings it lets pass.
+///
+/// `CAPY_FAKE_MACHINE=FILE` (tests only) checks the machine described in FILE instead of this one.
+fn check_hardware(model: &str) -> Result<()> {
+    let (identified, probe_at) = if capy_engine::demo::is_demo_name(model) {
+        (None, capy_hardware::default_models_dir())
+    } else {
+        let dir = Path::new(model);
+        let facts =
+            model_folder::read_folder(dir, gguf_architecture).map_err(anyhow::Error::msg)?;
+        (Some(model_folder::identify(&facts)), dir.to_path_buf())
+    };
+    let (machine, fake) = guard::machine_for_guard(&probe_at).map_err(anyhow::Error::msg)?;
+    if let Some(w) = fake {
+        eprintln!("warning: {}", w.message);
+    }
+    let config_id = identified
+        .as_ref()
+        .and_then(|i| i.configuration)
+        .map(|c| c.id);
+    if let Some(i) = &identified {
+        if config_id.is_some() {
+            eprintln!("capy-flash: {}: {}", model, i.reason);
+        } else {
+            eprintln!(
+                "note: {}: {}; only the CPU is checked before loading",
+                model, i.reason
+            );
+        }
+    }
+    let warnings =
+        guard::check_before_serve(&machine, config_id, &guard::GuardEnv::from_process())?;
+    for w in warnings {
+        eprintln!("warning: {}", w.message);
+    }
+    Ok(())
+}
+
+/// `general.architecture` of a GGUF file, from its header (no tensor data is read).
+fn gguf_architecture(path: &Path) -> Option<String> {
+    let file = capy_engine::quant::gguf::GgufFile::open(path).ok()?;
+    file.meta("general.architecture")?
+        .as_str()
+        .map(str::to_string)
 }
 
 pub fn run(a: Args) -> Result<()> {
     if !a.host.is_loopback() && a.api_key.as_deref().is_none_or(str::is_empty) {
         bail!("binding to {} exposes the server beyond this machine; give --api-key KEY (or set CAPY_API_KEY), or bind 127.0.0.1", a.host);
     }
+    check_hardware(&a.model)?;
     let dir = if capy_engine::demo::is_demo_name(&a.model) {
         let dir = capy_engine::demo::ensure_demo_model(&a.model)?;
         eprintln!(
@@ -63,6 +156,7 @@ pub fn run(a: Args) -> Result<()> {
         max_queue: a.max_queue,
         prefill_chunk: a.prefill_chunk,
         max_context: a.context.unwrap_or(usize::MAX),
+        prefix_cache: prefix_cache_config(&a, &model_id, &dir),
     };
     let config = ServerConfig {
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),

@@ -447,6 +447,11 @@ impl GgufWeights {
             .map(|e| (&self.file.tensors[e.tensor], e.expert))
     }
 
+    /// Whether `name` is the GGUF tensor's data as it is (no converter transform to undo).
+    pub fn is_verbatim(&self, name: &str) -> bool {
+        self.entries.get(name).is_some_and(|e| e.undo.is_empty())
+    }
+
     /// The tensor `name` dequantized to f32 in the Hugging Face layout.
     pub fn get(&self, name: &str) -> Result<HostTensor> {
         let e = self
@@ -469,7 +474,10 @@ impl GgufWeights {
             match *u {
                 Undo::MinusOne => v.iter_mut().for_each(|x| *x -= 1.0),
                 Undo::NegExpToLog => {
-                    if let Some(bad) = v.iter().find(|x| !(**x < 0.0)) {
+                    if let Some(bad) = v
+                        .iter()
+                        .find(|x| x.partial_cmp(&&0.0) != Some(std::cmp::Ordering::Less))
+                    {
                         bail!(
                             "{}: expected −exp(A_log) < 0 everywhere, found {bad}",
                             ctx()

@@ -4,6 +4,7 @@
 //! files. Everything is checked before the model is built, and every error names the file.
 
 pub mod gguf_model;
+pub mod quant_experts;
 pub mod safetensors;
 pub mod weights;
 
@@ -12,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
+pub use self::quant_experts::{quantized_expert_set, QuantRows};
 pub use self::safetensors::{write_safetensors, SafetensorStore};
 pub use self::weights::{QuantConfig, Weights};
 

@@ -249,12 +249,11 @@ impl Weights {
         let module = weight.strip_suffix(".weight").unwrap_or(weight);
         let name = format!("{module}.{suffix}");
         if !self.store.contains(&name) {
-            let excluded = self
-                .quant
-                .as_ref()
-                .is_some_and(|q| q.is_excluded(module))
-                .then_some(" (the quantization config lists the module as excluded, yet its weight is quantized)")
-                .unwrap_or("");
+            let excluded = if self.quant.as_ref().is_some_and(|q| q.is_excluded(module)) {
+                " (the quantization config lists the module as excluded, yet its weight is quantized)"
+            } else {
+                ""
+            };
             bail!(
                 "{format} weight {weight}: scale tensor {name} is missing from the checkpoint{excluded}; the file is incomplete or not a {format} export"
             );

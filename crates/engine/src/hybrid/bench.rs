@@ -162,7 +162,8 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
             Arc::new(set)
         })
         .collect();
-    let ram_bandwidth = read_bandwidth(&pool, o.bandwidth_probe_bytes, 3);
+    // read_bandwidth reports GB/s.
+    let ram_bandwidth = read_bandwidth(&pool, o.bandwidth_probe_bytes, 3) * 1e9;
 
     // Upload rate of expert records (host → device as the cache copies them).
     let probe = 16.min(o.experts);

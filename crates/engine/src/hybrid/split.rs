@@ -19,11 +19,14 @@ pub fn split_routing(routing: &MoeRouting, is_resident: impl Fn(u32) -> bool) ->
     let k = routing.top_k;
     let rows = routing.experts.len().checked_div(k).unwrap_or(0);
     let mut sides: [Vec<Vec<(u32, f32)>>; 2] = [vec![Vec::new(); rows], vec![Vec::new(); rows]];
-    for r in 0..rows {
-        for j in r * k..(r + 1) * k {
-            let e = routing.experts[j];
+    let chosen = routing
+        .experts
+        .chunks(k.max(1))
+        .zip(routing.weights.chunks(k.max(1)));
+    for (r, (experts, weights)) in chosen.take(rows).enumerate() {
+        for (&e, &w) in experts.iter().zip(weights) {
             let side = usize::from(!is_resident(e));
-            sides[side][r].push((e, routing.weights[j]));
+            sides[side][r].push((e, w));
         }
     }
     let [resident, host] = sides.map(pack);

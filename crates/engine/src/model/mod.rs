@@ -72,6 +72,17 @@ pub trait CausalLm: Send {
     fn forward(&mut self, batch: &[BatchItem<'_>]) -> Result<Vec<Vec<f32>>>;
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot>;
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()>;
+    /// A host-memory copy of the sequence's whole state (the prefix cache's RAM and disk tiers).
+    fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
+        let _ = seq;
+        anyhow::bail!("this model cannot copy sequence state to the host (no prefix cache)")
+    }
+    /// Replaces the sequence's state with one [`CausalLm::export_state`] wrote for this model;
+    /// a state of another shape is refused and the sequence left as it was.
+    fn import_state(&mut self, seq: SeqId, state: &crate::cache::HostState) -> Result<()> {
+        let _ = (seq, state);
+        anyhow::bail!("this model cannot load sequence state from the host (no prefix cache)")
+    }
 }
 
 /// Per-sequence states of one model, keyed by [`SeqId`].
@@ -108,6 +119,82 @@ pub fn load<B: Backend>(backend: B, checkpoint: &Checkpoint) -> Result<Box<dyn C
             backend, checkpoint,
         )?)),
     }
+}
+
+/// What a checkpoint's weights cost: in all, and read per decoded token.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct WeightUse {
+    pub parameters: usize,
+    /// Bytes as stored (quantized tensors at their stored size).
+    pub bytes: usize,
+    /// Parameters one decode step reads: one embedding row, the n-gram table rows it gathers,
+    /// top-k of the routed experts, everything else whole.
+    pub active_parameters: f64,
+    pub active_bytes: f64,
+    /// Of the active parameters, those in matrix products (2 FLOPs each per token): all but
+    /// the gathered embedding and n-gram rows.
+    pub active_matmul_parameters: f64,
+}
+
+/// Tensors of the checkpoint that no text forward pass reads (the MTP layer, vision).
+pub fn is_unused_tensor(name: &str) -> bool {
+    name.starts_with("mtp.") || name.contains("visual.")
+}
+
+/// Counts the weights the text model uses (see [`WeightUse`]), from the tensors as stored:
+/// nothing is dequantized or copied.
+pub fn weight_use(ck: &Checkpoint) -> WeightUse {
+    let c = &ck.config;
+    let moe = c.qwen4_exp().ok().map(|f| f.moe);
+    let store = ck.weights.store();
+    // Rows of the n-gram tables and the rows each token gathers from them.
+    let ngram_rows_read = c
+        .qwen4_exp()
+        .ok()
+        .and_then(|f| f.ple)
+        .map(|p| p.ngram_heads() as f64)
+        .unwrap_or(0.0);
+    let mut ngram_rows = std::collections::HashMap::<String, usize>::new();
+    let mut tensors = Vec::new();
+    for name in ck.weights.names().filter(|n| !is_unused_tensor(n)) {
+        let t = if store.contains(name) {
+            store.get(name)
+        } else {
+            ck.weights.get(name)
+        };
+        let Ok(t) = t else { continue };
+        // NVFP4 packs two values per stored byte.
+        let params = if t.dtype == crate::tensor::DType::U8 {
+            t.numel() * 2
+        } else {
+            t.numel()
+        };
+        if let Some((table, _)) = name.split_once("ngram_embedding.") {
+            *ngram_rows.entry(table.to_string()).or_default() += t.shape[0];
+        }
+        tensors.push((name.to_string(), params, t.data.len()));
+    }
+    let mut u = WeightUse::default();
+    for (name, params, bytes) in tensors {
+        u.parameters += params;
+        u.bytes += bytes;
+        let tied_head = c.tie_word_embeddings && !ck.weights.contains("lm_head.weight");
+        let (fraction, matmul) = if name.ends_with("embed_tokens.weight") && !tied_head {
+            (1.0 / c.vocab_size.max(1) as f64, false)
+        } else if let Some((table, _)) = name.split_once("ngram_embedding.") {
+            (ngram_rows_read / ngram_rows[table].max(1) as f64, false)
+        } else if let (Some(m), true) = (&moe, name.contains("mlp.experts.")) {
+            (m.num_experts_per_tok as f64 / m.num_experts as f64, true)
+        } else {
+            (1.0, true)
+        };
+        u.active_parameters += params as f64 * fraction;
+        u.active_bytes += bytes as f64 * fraction;
+        if matmul {
+            u.active_matmul_parameters += params as f64 * fraction;
+        }
+    }
+    u
 }
 
 /// Checks that every id is inside the vocabulary.

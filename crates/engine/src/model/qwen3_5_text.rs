@@ -133,20 +133,11 @@ impl<B: Backend> Qwen3_5Text<B> {
         let inv_freq = (0..rot / 2)
             .map(|i| (1.0 / c.rope.theta.powf((2 * i) as f64 / rot as f64)) as f32)
             .collect();
-        let parameters = ck
-            .weights
-            .names()
-            .filter(|n| !n.starts_with("mtp.") && !n.contains("visual."))
-            .filter_map(|n| ck.weights.get(n).ok())
-            .map(|t| t.numel())
-            .sum();
-        let weight_bytes = ck
-            .weights
-            .names()
-            .filter(|n| !n.starts_with("mtp.") && !n.contains("visual."))
-            .filter_map(|n| ck.weights.get(n).ok())
-            .map(|t| t.data.len())
-            .sum();
+        let super::WeightUse {
+            parameters,
+            bytes: weight_bytes,
+            ..
+        } = super::weight_use(ck);
         let info = ModelInfo {
             architecture: c.architecture,
             vocab_size: v,
@@ -377,6 +368,52 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             .get_mut(&seq)
             .with_context(|| format!("sequence {seq:?} does not exist"))?;
         *slot = st.clone();
+        Ok(())
+    }
+
+    fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
+        use crate::cache::state::{write_attention, write_linear};
+        let st = self
+            .sequences
+            .states
+            .get(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let b = &self.backend;
+        let mut out = crate::cache::HostState::new(st.len);
+        for l in &st.layers {
+            match l {
+                LayerState::Attention(a) => write_attention(&mut out, b, a),
+                LayerState::Linear(l) => write_linear(&mut out, b, l),
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_state(&mut self, seq: SeqId, host: &crate::cache::HostState) -> Result<()> {
+        use crate::cache::state::{read_attention, read_linear};
+        if !self.sequences.states.contains_key(&seq) {
+            bail!("sequence {seq:?} does not exist");
+        }
+        let b = &self.backend;
+        let template = self.empty_state();
+        let mut r = host.reader();
+        let mut layers = Vec::with_capacity(template.layers.len());
+        for l in &template.layers {
+            layers.push(match l {
+                LayerState::Attention(a) => {
+                    LayerState::Attention(read_attention(&mut r, b, a, host.len)?)
+                }
+                LayerState::Linear(l) => LayerState::Linear(read_linear(&mut r, b, l)?),
+            });
+        }
+        r.finish()?;
+        self.sequences.states.insert(
+            seq,
+            SeqState {
+                len: host.len,
+                layers,
+            },
+        );
         Ok(())
     }
 }

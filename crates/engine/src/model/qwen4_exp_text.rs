@@ -88,11 +88,6 @@ pub struct Qwen4ExpText<B: Backend> {
     sequences: SequenceTable<SeqState<B>>,
 }
 
-/// Tensors that belong to the model but not to this text forward pass.
-fn is_unused(name: &str) -> bool {
-    name.starts_with("mtp.") || name.contains("visual.")
-}
-
 impl<B: Backend> Qwen4ExpText<B> {
     pub fn load(backend: B, ck: &Checkpoint) -> Result<Self> {
         let c = ck.config.clone();
@@ -187,12 +182,7 @@ impl<B: Backend> Qwen4ExpText<B> {
         let inv_freq = (0..rot / 2)
             .map(|i| (1.0 / c.rope.theta.powf((2 * i) as f64 / rot as f64)) as f32)
             .collect();
-        let used: Vec<_> = ck
-            .weights
-            .names()
-            .filter(|n| !is_unused(n))
-            .filter_map(|n| ck.weights.get(n).ok())
-            .collect();
+        let used = super::weight_use(ck);
         let info = ModelInfo {
             architecture: c.architecture,
             vocab_size: v,
@@ -200,12 +190,8 @@ impl<B: Backend> Qwen4ExpText<B> {
             eos_token_ids: ck.eos_token_ids(),
             num_layers: c.num_hidden_layers,
             hidden_size: h,
-            parameters: used
-                .iter()
-                .filter(|t| t.dtype.is_float())
-                .map(|t| t.numel())
-                .sum(),
-            weight_bytes: used.iter().map(|t| t.data.len()).sum(),
+            parameters: used.parameters,
+            weight_bytes: used.bytes,
             backend: backend.name(),
         };
         Ok(Qwen4ExpText {
@@ -487,6 +473,63 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
             .get_mut(&seq)
             .with_context(|| format!("sequence {seq:?} does not exist"))?;
         *slot = st.clone();
+        Ok(())
+    }
+
+    fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
+        use crate::cache::state::{write_attention, write_linear, write_ple};
+        let st = self
+            .sequences
+            .states
+            .get(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let b = &self.backend;
+        let mut out = crate::cache::HostState::new(st.len);
+        for l in &st.layers {
+            match l {
+                LayerState::Attention(a) => write_attention(&mut out, b, a),
+                LayerState::Linear { gdn, ple } => {
+                    write_linear(&mut out, b, gdn);
+                    if let Some(p) = ple {
+                        write_ple(&mut out, b, p);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_state(&mut self, seq: SeqId, host: &crate::cache::HostState) -> Result<()> {
+        use crate::cache::state::{read_attention, read_linear, read_ple};
+        if !self.sequences.states.contains_key(&seq) {
+            bail!("sequence {seq:?} does not exist");
+        }
+        let b = &self.backend;
+        let template = self.empty_state();
+        let mut r = host.reader();
+        let mut layers = Vec::with_capacity(template.layers.len());
+        for l in &template.layers {
+            layers.push(match l {
+                LayerState::Attention(a) => {
+                    LayerState::Attention(read_attention(&mut r, b, a, host.len)?)
+                }
+                LayerState::Linear { gdn, ple } => LayerState::Linear {
+                    gdn: read_linear(&mut r, b, gdn)?,
+                    ple: match ple {
+                        Some(p) => Some(read_ple(&mut r, b, p)?),
+                        None => None,
+                    },
+                },
+            });
+        }
+        r.finish()?;
+        self.sequences.states.insert(
+            seq,
+            SeqState {
+                len: host.len,
+                layers,
+            },
+        );
         Ok(())
     }
 }

@@ -6,15 +6,24 @@
 //! prefilled in chunks interleaved with the decode steps of the others and their streams stay
 //! smooth. Each request gets a [`GenerationStream`] of [`GenerationEvent`]s; dropping the
 //! stream cancels the request and frees its sequence before the next step.
+//!
+//! With a prefix cache ([`SchedulerConfig::prefix_cache`]) a request resumes from the deepest
+//! cached state of its prompt and prefills only the rest; prefill chunks then end on the
+//! cache's block boundaries so states can be captured there, and every finished turn is
+//! captured too (see [`crate::cache`]).
 
+pub mod forced;
 pub mod scripted;
 
+pub use forced::ThinkingBudget;
+
+use crate::cache::{CacheConfig, PrefixCache};
 use crate::model::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId};
 use crate::sampling::{Sampler, SamplingParams, StopStringMatcher};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use tokio::sync::mpsc as tokio_mpsc;
 
 /// Limits of the scheduler.
@@ -28,6 +37,8 @@ pub struct SchedulerConfig {
     pub prefill_chunk: usize,
     /// Context length: prompt plus generated tokens of one sequence. Capped at the model's.
     pub max_context: usize,
+    /// The prefix cache; `None` computes every prompt from scratch.
+    pub prefix_cache: Option<CacheConfig>,
 }
 
 impl Default for SchedulerConfig {
@@ -37,6 +48,7 @@ impl Default for SchedulerConfig {
             max_queue: 64,
             prefill_chunk: 256,
             max_context: usize::MAX,
+            prefix_cache: None,
         }
     }
 }
@@ -60,6 +72,12 @@ pub struct GenerationRequest {
     pub stop: StopConditions,
     /// Drop special tokens' text (`<|im_end|>` and the like) from the streamed text.
     pub skip_special_tokens: bool,
+    /// Close the thinking block after this many tokens by forcing its closing tokens
+    /// (see [`forced`]); `None`: the model thinks as long as it likes.
+    pub thinking_budget: Option<ThinkingBudget>,
+    /// The conversation this request continues (session affinity of the prefix cache);
+    /// `None` lets the cache match it by prefix.
+    pub cache_key: Option<String>,
 }
 
 /// Why generation ended.
@@ -87,7 +105,7 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// Prompt tokens served from the prefix cache (0 until the prefix cache exists).
+    /// Prompt tokens served from the prefix cache (resumed, not computed).
     pub cached_tokens: usize,
 }
 
@@ -153,6 +171,7 @@ pub struct SchedulerMetrics {
     pub generated_tokens_total: AtomicU64,
     pub cached_prompt_tokens_total: AtomicU64,
     pub prefix_cache_hits_total: AtomicU64,
+    pub prefix_cache_misses_total: AtomicU64,
     pub forward_steps_total: AtomicU64,
     pub queue_depth: AtomicUsize,
     pub active_sequences: AtomicUsize,
@@ -169,6 +188,7 @@ pub struct Scheduler {
     metrics: Arc<SchedulerMetrics>,
     info: ModelInfo,
     config: SchedulerConfig,
+    cache: Option<Arc<Mutex<PrefixCache>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -184,20 +204,51 @@ impl Scheduler {
         config.max_batch = config.max_batch.max(1);
         config.prefill_chunk = config.prefill_chunk.max(1);
         let metrics = Arc::new(SchedulerMetrics::default());
+        let cache = config.prefix_cache.clone().map(|c| {
+            let with_disk = c.disk_dir.clone();
+            let cache = PrefixCache::new(c.clone()).unwrap_or_else(|e| {
+                tracing::error!(
+                    "prefix cache: disk offload to {:?} is off: {e:#}",
+                    with_disk
+                );
+                PrefixCache::new(CacheConfig {
+                    disk_dir: None,
+                    ..c
+                })
+                .expect("a RAM-only prefix cache needs no I/O")
+            });
+            Arc::new(Mutex::new(cache))
+        });
         let (tx, rx) = mpsc::channel();
         let thread_metrics = metrics.clone();
         let thread_config = config.clone();
+        let thread_cache = cache.clone();
         let thread = std::thread::Builder::new()
             .name("capy-scheduler".into())
-            .spawn(move || run_loop(model, &tokenizer, thread_config, rx, &thread_metrics))
+            .spawn(move || {
+                run_loop(
+                    model,
+                    &tokenizer,
+                    thread_config,
+                    rx,
+                    &thread_metrics,
+                    thread_cache.as_deref(),
+                )
+            })
             .expect("spawning the scheduler thread");
         Scheduler {
             tx: Some(tx),
             metrics,
             info,
             config,
+            cache,
             thread: Some(thread),
         }
+    }
+
+    /// The prefix cache, shared with the admin endpoints (locked briefly per request).
+    pub fn cache(&self) -> Option<&Arc<Mutex<PrefixCache>>> {
+        self.cache.as_ref()
     }
 
     pub fn model_info(&self) -> &ModelInfo {
@@ -289,8 +340,18 @@ struct Active<'t> {
     stops: StopStringMatcher,
     stop_strings: Vec<String>,
     decoder: StreamDecoder<'t>,
+    /// Tokens emitted next instead of sampled ones (the thinking budget's closing tokens).
+    forced: forced::ForcedTokens,
     /// Set when the sequence is done (finished, failed or cancelled) and must be freed.
     done: bool,
+    /// Set when generation failed: the state is not captured.
+    failed: bool,
+    /// Prefix cache: the session its entries belong to (`None` without a cache).
+    session: Option<String>,
+    /// Prompt tokens resumed from the cache.
+    cached: usize,
+    /// Generated tokens fed back into the model (the state holds `prompt[..prefilled] ++ fed`).
+    fed: Vec<u32>,
 }
 
 impl Active<'_> {
@@ -298,7 +359,7 @@ impl Active<'_> {
         Usage {
             prompt_tokens: self.prompt.len(),
             completion_tokens: self.generated,
-            cached_tokens: 0,
+            cached_tokens: self.cached,
         }
     }
 
@@ -317,11 +378,13 @@ impl Active<'_> {
             .requests_failed_total
             .fetch_add(1, Ordering::Relaxed);
         self.done = true;
+        self.failed = true;
     }
 
     /// Handles one sampled token: stop checks, detokenization, emission.
     fn on_token(&mut self, token: u32, max_context: usize, metrics: &SchedulerMetrics) {
         self.generated += 1;
+        self.forced.observe(token);
         self.sampler.accept(token);
         metrics
             .generated_tokens_total
@@ -382,20 +445,47 @@ fn run_loop(
     config: SchedulerConfig,
     rx: mpsc::Receiver<Pending>,
     metrics: &SchedulerMetrics,
+    cache: Option<&Mutex<PrefixCache>>,
 ) {
     let mut waiting: VecDeque<Pending> = VecDeque::new();
     let mut active: Vec<Active<'_>> = Vec::new();
     let eos = model.info().eos_token_ids.clone();
     let mut disconnected = false;
+    // Block size and capture spacing of the prefix cache (fixed for the cache's life).
+    let blocks = cache.map(|c| {
+        let c = lock(c);
+        (c.block_tokens(), c.config().capture_every_blocks)
+    });
     loop {
-        // 1. Take new requests: block when idle, poll otherwise.
+        // 1. Take new requests: block when idle, poll otherwise. While idle, the cache moves
+        //    idle sessions down a tier.
         if active.is_empty() && waiting.is_empty() {
             if disconnected {
+                if let Some(c) = cache {
+                    lock(c).flush_to_disk();
+                }
                 return;
             }
-            match rx.recv() {
+            let idle_work = cache.is_some_and(|c| lock(c).has_idle_work());
+            let got = if idle_work {
+                rx.recv_timeout(std::time::Duration::from_secs(1))
+            } else {
+                rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+            };
+            match got {
                 Ok(p) => waiting.push_back(p),
-                Err(_) => return,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(c) = cache {
+                        lock(c).maintain();
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    if let Some(c) = cache {
+                        lock(c).flush_to_disk();
+                    }
+                    return;
+                }
             }
         }
         loop {
@@ -425,12 +515,20 @@ fn run_loop(
             let mut stop_ids = eos.clone();
             stop_ids.extend(r.stop.token_ids.iter().copied());
             let seq = model.new_sequence();
+            let (session, cached) = match cache {
+                Some(c) => resume(c, model.as_mut(), seq, &r, metrics),
+                None => (None, 0),
+            };
             active.push(Active {
                 seq,
+                failed: false,
+                session,
+                cached,
+                fed: Vec::new(),
                 tx: p.tx,
                 sampler: Sampler::new(r.sampling, &r.prompt_tokens),
                 prompt: r.prompt_tokens,
-                prefilled: 0,
+                prefilled: cached,
                 next_input: None,
                 generated: 0,
                 max_tokens: r.max_tokens,
@@ -443,6 +541,7 @@ fn run_loop(
                     .filter(|s| !s.is_empty())
                     .collect(),
                 decoder: tokenizer.stream_decoder(r.skip_special_tokens),
+                forced: forced::ForcedTokens::new(r.thinking_budget),
                 done: false,
             });
         }
@@ -458,7 +557,7 @@ fn run_loop(
                 a.done = true;
             }
         }
-        free_done(&mut active, model.as_mut(), metrics);
+        free_done(&mut active, model.as_mut(), metrics, cache);
         if active.is_empty() {
             continue;
         }
@@ -477,12 +576,20 @@ fn run_loop(
         let mut budget = config.prefill_chunk;
         for (i, a) in active.iter().enumerate() {
             if a.next_input.is_none() && budget > 0 {
-                let n = (a.prompt.len() - a.prefilled).min(budget);
-                budget -= n;
+                let mut end = a.prefilled + (a.prompt.len() - a.prefilled).min(budget);
+                if let Some((block, _)) = blocks {
+                    // End on a block boundary (at most the last one before the prompt's end)
+                    // so the state there can be captured.
+                    let boundary = end.min(a.prompt.len() - 1) / block * block;
+                    if boundary > a.prefilled {
+                        end = boundary;
+                    }
+                }
+                budget -= end - a.prefilled;
                 plan.push(Planned {
                     index: i,
                     decode: false,
-                    end: a.prefilled + n,
+                    end,
                 });
             }
         }
@@ -541,10 +648,18 @@ fn run_loop(
                         continue;
                     }
                     if p.decode {
-                        a.next_input = None;
+                        a.fed.extend(a.next_input.take());
                     } else {
                         a.prefilled = p.end;
                         if p.end < a.prompt.len() {
+                            if let (Some(c), Some((block, every))) = (cache, blocks) {
+                                let last = (a.prompt.len() - 1) / block * block;
+                                if p.end % block == 0
+                                    && (p.end == last || (p.end / block) % every == 0)
+                                {
+                                    capture(c, &*model, a, p.end);
+                                }
+                            }
                             continue;
                         }
                     }
@@ -564,12 +679,15 @@ fn run_loop(
                     if let Some(pad) = logits.get_mut(tokenizer.vocab_size()..) {
                         pad.fill(f32::NEG_INFINITY);
                     }
-                    let t = a.sampler.sample(logits);
+                    let t = match a.forced.pop_next() {
+                        Some(t) => t,
+                        None => a.sampler.sample(logits),
+                    };
                     a.on_token(t, config.max_context, metrics);
                 }
             }
         }
-        free_done(&mut active, model.as_mut(), metrics);
+        free_done(&mut active, model.as_mut(), metrics, cache);
     }
 }
 
@@ -585,9 +703,18 @@ fn model_vocab(model: &dyn CausalLm) -> usize {
     model.info().vocab_size
 }
 
-fn free_done(active: &mut Vec<Active<'_>>, model: &mut dyn CausalLm, metrics: &SchedulerMetrics) {
+fn free_done(
+    active: &mut Vec<Active<'_>>,
+    model: &mut dyn CausalLm,
+    metrics: &SchedulerMetrics,
+    cache: Option<&Mutex<PrefixCache>>,
+) {
     active.retain(|a| {
         if a.done {
+            // The end of a turn: keep the state for the next one.
+            if let (Some(c), false) = (cache, a.failed) {
+                capture(c, model, a, a.prefilled);
+            }
             model.drop_sequence(a.seq);
         }
         !a.done
@@ -595,6 +722,73 @@ fn free_done(active: &mut Vec<Active<'_>>, model: &mut dyn CausalLm, metrics: &S
     metrics
         .active_sequences
         .store(active.len(), Ordering::Relaxed);
+}
+
+fn lock(c: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
+    // A panic while holding the lock leaves a consistent index (no partial updates escape).
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Looks the request up in the cache and loads the deepest state found into `seq`. Returns
+/// the request's session and the prompt tokens resumed.
+fn resume(
+    cache: &Mutex<PrefixCache>,
+    model: &mut dyn CausalLm,
+    seq: SeqId,
+    r: &GenerationRequest,
+    metrics: &SchedulerMetrics,
+) -> (Option<String>, usize) {
+    let mut c = lock(cache);
+    let begin = c.begin(
+        &r.prompt_tokens,
+        r.prompt_tokens.len() - 1,
+        r.cache_key.as_deref(),
+    );
+    let mut cached = 0;
+    if let Some(hit) = begin.hit {
+        match model.import_state(seq, &hit.state) {
+            Ok(()) => cached = hit.len,
+            Err(e) => {
+                tracing::warn!("prefix cache: a cached state did not load, recomputing: {e:#}");
+                c.discard(hit.entry);
+            }
+        }
+    }
+    if cached > 0 {
+        metrics
+            .prefix_cache_hits_total
+            .fetch_add(1, Ordering::Relaxed);
+        metrics
+            .cached_prompt_tokens_total
+            .fetch_add(cached as u64, Ordering::Relaxed);
+    } else {
+        metrics
+            .prefix_cache_misses_total
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    (Some(begin.session), cached)
+}
+
+/// Stores the state of `a` (holding `prompt[..prefilled] ++ fed`) when `prefilled` is where
+/// its prompt part ends.
+fn capture(cache: &Mutex<PrefixCache>, model: &dyn CausalLm, a: &Active<'_>, prefilled: usize) {
+    let Some(session) = &a.session else { return };
+    let fed: &[u32] = if prefilled == a.prompt.len() {
+        &a.fed
+    } else {
+        &[]
+    };
+    let mut tokens = Vec::with_capacity(prefilled + fed.len());
+    tokens.extend_from_slice(&a.prompt[..prefilled]);
+    tokens.extend_from_slice(fed);
+    let mut c = lock(cache);
+    if !c.wants(&tokens) || model.sequence_len(a.seq) != Some(tokens.len()) {
+        return;
+    }
+    match model.export_state(a.seq) {
+        Ok(state) => c.insert(session, &tokens, state),
+        Err(e) => tracing::debug!("prefix cache: not captured: {e:#}"),
+    }
 }
 
 #[cfg(test)]

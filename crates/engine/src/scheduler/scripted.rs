@@ -165,4 +165,29 @@ impl CausalLm for ScriptedLm {
         self.seqs.insert(seq, *state);
         Ok(())
     }
+
+    /// Only the length: the script restarts for every request, cached or not, so a request
+    /// resumed from the prefix cache produces exactly what an uncached one does.
+    fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
+        let Some(&state) = self.seqs.get(&seq) else {
+            bail!("unknown sequence {seq:?}")
+        };
+        let mut out = crate::cache::HostState::new(state.0);
+        out.push_ids(&[state.0 as u32]);
+        Ok(out)
+    }
+
+    fn import_state(&mut self, seq: SeqId, host: &crate::cache::HostState) -> Result<()> {
+        let Some(slot) = self.seqs.get_mut(&seq) else {
+            bail!("unknown sequence {seq:?}")
+        };
+        let mut r = host.reader();
+        let len = r.ids(1, "scripted length")?[0] as usize;
+        r.finish()?;
+        if len != host.len {
+            bail!("a scripted state of {len} tokens claims {}", host.len);
+        }
+        *slot = (len, 0);
+        Ok(())
+    }
 }

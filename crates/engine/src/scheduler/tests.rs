@@ -30,6 +30,8 @@ fn request(prompt_len: usize, max_tokens: usize) -> GenerationRequest {
         max_tokens,
         stop: StopConditions::default(),
         skip_special_tokens: true,
+        cache_key: None,
+        thinking_budget: None,
     }
 }
 
@@ -279,4 +281,89 @@ fn same_seed_gives_same_tokens_through_the_scheduler() {
     };
     assert_eq!(run(11), run(11));
     assert_ne!(run(11), run(12));
+}
+
+/// Collects a stream's token ids (text-less stop tokens are not streamed) and the finish.
+fn collect_ids(mut s: GenerationStream) -> (Vec<u32>, String, FinishReason, Usage) {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    loop {
+        match s.blocking_recv().expect("stream ended without Finished") {
+            GenerationEvent::Token { id, text: t } => {
+                ids.push(id);
+                text.push_str(&t);
+            }
+            GenerationEvent::Finished { reason, usage } => return (ids, text, reason, usage),
+            GenerationEvent::Error(e) => panic!("generation failed: {e}"),
+        }
+    }
+}
+
+fn thinking_budget(max_tokens: usize) -> ThinkingBudget {
+    let tok = tokenizer();
+    ThinkingBudget {
+        max_tokens,
+        starts_inside: true,
+        open_token: tok.token_to_id("<think>"),
+        close_token: tok.token_to_id("</think>").unwrap(),
+        close_sequence: tok.encode("\n</think>\n\n", false).unwrap(),
+    }
+}
+
+#[test]
+fn the_thinking_budget_forces_the_block_closed_then_generation_continues() {
+    let text = "Let me think about this carefully, step by step, and then answer the question.";
+    let (s, _, script) = scheduler_for(text, SchedulerConfig::default(), Duration::ZERO);
+    let budget = thinking_budget(4);
+    let close = budget.close_sequence.clone();
+    assert_eq!(
+        close.len(),
+        3,
+        "\\n, </think>, \\n\\n in the Qwen tokenizer"
+    );
+    let mut r = request(5, 100);
+    r.thinking_budget = Some(budget);
+    let (ids, out, reason, usage) = collect_ids(s.submit(r).unwrap());
+    // Four thinking tokens, the forced close, then the model goes on (the scripted model's
+    // positions under the forced tokens are spent).
+    let mut expected = script[..4].to_vec();
+    expected.extend(&close);
+    expected.extend(&script[4 + close.len()..]);
+    assert_eq!(ids, expected);
+    assert_eq!(reason, FinishReason::StopToken(DEMO_IM_END_ID));
+    // Forced tokens are output tokens like any other (+1: the end token).
+    assert_eq!(usage.completion_tokens, expected.len() + 1);
+    let tok = tokenizer();
+    let (thought, answer) = out
+        .split_once("\n</think>\n\n")
+        .expect("the block is closed");
+    assert_eq!(thought, tok.decode(&script[..4], true).unwrap());
+    assert_eq!(
+        answer,
+        tok.decode(&script[4 + close.len()..], true).unwrap()
+    );
+}
+
+#[test]
+fn the_thinking_budget_leaves_a_model_that_closes_in_time_alone_and_counts_toward_max_tokens() {
+    let (s, _, script) = scheduler_for(
+        "Short.\n</think>\n\nThe answer is 42.",
+        SchedulerConfig::default(),
+        Duration::ZERO,
+    );
+    let mut r = request(5, 100);
+    r.thinking_budget = Some(thinking_budget(50));
+    let (ids, _, _, _) = collect_ids(s.submit(r).unwrap());
+    assert_eq!(ids, script);
+
+    // A budget of zero closes the block before the first sampled token; max_tokens cuts the
+    // forced tokens like sampled ones.
+    let (s, _, _) = scheduler_for("abc def", SchedulerConfig::default(), Duration::ZERO);
+    let budget = thinking_budget(0);
+    let close = budget.close_sequence.clone();
+    let mut r = request(5, 2);
+    r.thinking_budget = Some(budget);
+    let (ids, _, reason, usage) = collect_ids(s.submit(r).unwrap());
+    assert_eq!(ids, close[..2].to_vec());
+    assert_eq!(reason, FinishReason::MaxTokens);
+    assert_eq!(usage.completion_tokens, 2);
 }

@@ -3,6 +3,8 @@
 //! those ceilings.
 
 use super::{CudaBackend, DevBuf};
+use crate::backend::cpu::experts::format::RowFormat;
+use crate::config::{LayerType, TextConfig};
 use crate::model::{qwen3_5_text::Qwen3_5Text, BatchItem, CausalLm, LogitsWanted};
 use anyhow::{Context, Result};
 use cudarc::cublas::sys as blas_sys;
@@ -100,7 +102,12 @@ impl CudaBackend {
 
 /// GPU time of the ops that dominate a long prefill and a decode step, each alone at the real
 /// shapes, so a report says where the time goes.
-fn op_timings(b: &CudaBackend, c: &crate::config::TextConfig, n: usize) -> Result<Value> {
+fn op_timings(
+    b: &CudaBackend,
+    c: &crate::config::TextConfig,
+    n: usize,
+    quant: Option<RowFormat>,
+) -> Result<Value> {
     use crate::backend::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape};
     use crate::tensor::{Bytes, DType, HostTensor};
     let h = c.hidden_size;
@@ -111,7 +118,11 @@ fn op_timings(b: &CudaBackend, c: &crate::config::TextConfig, n: usize) -> Resul
         shape: vec![gate_up, h],
         data: Bytes::from_vec(vec![0x3c; gate_up * h * 2]),
     };
-    let w = b.matrix(&w)?;
+    b.set_synthetic_quant(quant);
+    let w = b.matrix(&w);
+    b.set_synthetic_quant(None);
+    let w = w?;
+    let w_bytes = w.bytes();
     let x = b.zeros(n, h);
     let x1 = b.zeros(1, h);
     let _ = b.linear(&x, &w);
@@ -165,7 +176,7 @@ fn op_timings(b: &CudaBackend, c: &crate::config::TextConfig, n: usize) -> Resul
         "gate_up_gemm_ms": gemm_ms,
         "gate_up_gemm_tflop_per_s": gflop / gemm_ms as f64,
         "gate_up_matvec_ms": matvec_ms,
-        "gate_up_matvec_bytes_per_s": (gate_up * h * 2) as f64 / (matvec_ms as f64 / 1e3),
+        "gate_up_matvec_bytes_per_s": w_bytes as f64 / (matvec_ms as f64 / 1e3),
         "gated_delta_rule_prefill_ms": gdn_ms,
         "causal_conv_prefill_ms": conv_ms,
         "attention_prefill_ms": attn_ms,
@@ -177,12 +188,100 @@ fn op_timings(b: &CudaBackend, c: &crate::config::TextConfig, n: usize) -> Resul
 #[derive(Debug, Clone)]
 pub struct SyntheticBenchOptions {
     pub shape: String,
+    /// Projection weights: `None` = BF16, else random blocks of this format kept quantized.
+    pub quant: Option<RowFormat>,
     pub device: usize,
     pub vram_budget: Option<u64>,
     /// Prompt tokens prefilled (and timed) before decoding.
     pub context: usize,
     pub decode_steps: usize,
     pub seed: u64,
+}
+
+/// Where the bytes of a synthetic run will go, computed from the configuration before
+/// anything is loaded (the run is refused when it exceeds the budget).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct VramPlan {
+    pub weights: u64,
+    /// KV cache (f32 K and V of every attention layer) at the capacity it grows to.
+    pub kv: u64,
+    /// GDN recurrent and conv states.
+    pub states: u64,
+    /// Activations and scratch of the longest prefill step.
+    pub workspace: u64,
+    /// Held back for what the ledger does not see: fragmentation of the stream-ordered pool.
+    pub reserve: u64,
+}
+
+impl VramPlan {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv + self.states + self.workspace + self.reserve
+    }
+}
+
+/// Rows a cache holds after `tokens` appended in the given steps (capacity doubles as
+/// `append_rows` grows it).
+fn cache_capacity(steps: &[usize]) -> usize {
+    let (mut rows, mut cap) = (0usize, 0usize);
+    for &s in steps {
+        if rows + s > cap {
+            cap = (rows + s).max(cap * 2).max(16);
+        }
+        rows += s;
+    }
+    cap
+}
+
+/// The plan of `--synthetic` with `context` prefilled tokens and `decode` steps.
+pub fn plan_vram(
+    c: &TextConfig,
+    quant: Option<RowFormat>,
+    context: usize,
+    decode: usize,
+) -> Result<VramPlan> {
+    let mut weights = 0u64;
+    for (name, shape) in crate::synthetic::tensors(c)? {
+        weights += match (shape.as_slice(), quant) {
+            ([rows, cols], Some(f)) if CudaBackend::synthetic_quant_applies(f, &name, *cols) => {
+                (rows * f.row_bytes(*cols)?) as u64
+            }
+            ([rows, cols], _) => (rows * cols * 2) as u64,
+            // Vectors (norm weights, per-head constants) are uploaded as f32.
+            (dims, _) => (dims.iter().product::<usize>() * 4) as u64,
+        };
+    }
+    let attn_layers = c
+        .layer_types
+        .iter()
+        .filter(|t| **t == LayerType::FullAttention)
+        .count();
+    let gdn_layers = c.num_hidden_layers - attn_layers;
+    let mut steps = vec![context];
+    steps.extend(std::iter::repeat_n(1, decode));
+    let kv =
+        (attn_layers * 2 * cache_capacity(&steps) * c.num_key_value_heads * c.head_dim * 4) as u64;
+    let states = (gdn_layers
+        * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+            + (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim())
+        * 4) as u64;
+    // The longest step's live activations: the MLP's gate‖up output and its halves, the GDN
+    // projections, a few hidden-size rows; then the fixed scratch (delta-rule workspace,
+    // GEMM weight scratch, attention scores).
+    let h = c.hidden_size;
+    let per_token = 4 * (4 * c.intermediate_size + 2 * c.linear_conv_dim() + 8 * h);
+    let workspace = (context * per_token) as u64
+        + (super::GDR_WORKSPACE_BYTES + (4 * super::SCRATCH_ELEMS * 4)) as u64;
+    Ok(VramPlan {
+        weights,
+        kv,
+        states,
+        workspace,
+        reserve: 256 << 20,
+    })
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -197,8 +296,44 @@ fn median(v: &mut [f64]) -> f64 {
 /// Builds the synthetic model on the GPU, prefills `context` tokens (timed), then times
 /// `decode_steps` single-token steps at that context. Returns the figures as JSON.
 pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
+    let cfg_json = crate::synthetic::config(&opts.shape)?;
+    let cfg = TextConfig::from_value(&cfg_json)?;
+    let plan = plan_vram(&cfg, opts.quant, opts.context, opts.decode_steps)?;
+    let quant_name = opts.quant.map_or("bf16".to_string(), |f| f.name());
+    eprintln!(
+        "VRAM plan for {} ({quant_name}, {} + {} tokens): weights {}, KV {}, states {}, workspace {}, reserve {} = {}{}",
+        opts.shape,
+        opts.context,
+        opts.decode_steps,
+        gib(plan.weights),
+        gib(plan.kv),
+        gib(plan.states),
+        gib(plan.workspace),
+        gib(plan.reserve),
+        gib(plan.total()),
+        opts.vram_budget.map_or(String::new(), |b| format!(" of a {} budget", gib(b)))
+    );
+    if let Some(budget) = opts.vram_budget {
+        if plan.total() > budget {
+            anyhow::bail!(
+                "this configuration does not fit the VRAM budget: it needs {} bytes ({}: weights {} + KV {} + states {} + \
+                 workspace {} + reserve {}) and the budget is {budget} bytes ({}). Use a smaller quantization, a shorter \
+                 --context, or a larger --vram-budget",
+                plan.total(),
+                gib(plan.total()),
+                plan.weights,
+                plan.kv,
+                plan.states,
+                plan.workspace,
+                plan.reserve,
+                gib(budget)
+            );
+        }
+    }
     let backend = CudaBackend::new(opts.device, opts.vram_budget)?;
+    backend.set_synthetic_quant(opts.quant);
     let info = backend.device_info().clone();
+    let (free_at_start, total_mem) = drv::mem_get_info().unwrap_or((0, 0));
     let copy_bw = backend.measure_copy_bandwidth(2 << 30, 10)?;
     let gemm_rate = backend.measure_bf16_gemm_rate(8192, 10)?;
 
@@ -209,15 +344,23 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
         .context("building the synthetic model on the GPU")?;
     drop(ck);
     backend.synchronize()?;
+    backend.set_synthetic_quant(None);
     let load_s = t0.elapsed().as_secs_f64();
     let ledger_after_load = backend.ledger();
 
     // Bytes every decode step reads: all weights but the embedding table (one row is gathered).
     let embed_bytes = (c.vocab_size * c.hidden_size * 2) as u64;
     let weight_bytes_per_token = ledger_after_load.weights - embed_bytes;
-    // Matmul parameters per token (prefill FLOPs), lm_head excluded (it runs on the last row only).
+    // Matmul parameters per token (prefill FLOPs): every matrix but the embedding, the conv
+    // filters and lm_head (which runs on the last row only).
     let head_params = (c.vocab_size * c.hidden_size) as f64;
-    let matmul_params = weight_bytes_per_token as f64 / 2.0 - head_params;
+    let gdn_layer_count = c
+        .layer_types
+        .iter()
+        .filter(|t| **t == crate::config::LayerType::LinearAttention)
+        .count();
+    let conv_params = (gdn_layer_count * c.linear_conv_dim() * c.linear_conv_kernel_dim) as f64;
+    let matmul_params = backend.matrix_elems() as f64 - 2.0 * head_params - conv_params;
 
     let mut rng = opts.seed | 1;
     let mut token = || {
@@ -280,6 +423,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(i, _)| i as u32)
         .unwrap_or(0);
+    let launches_before = backend.launches();
     let t_all = Instant::now();
     for _ in 0..opts.decode_steps {
         let t = Instant::now();
@@ -297,6 +441,9 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             .unwrap_or(0);
     }
     let decode_total_s = t_all.elapsed().as_secs_f64();
+    let launches_per_token =
+        (backend.launches() - launches_before) as f64 / opts.decode_steps.max(1) as f64;
+    let ledger_peak = backend.ledger().peak;
     let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
     let median_step = median(&mut step_s.clone());
     let context_at_end = opts.context + opts.decode_steps;
@@ -313,12 +460,35 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let roof_with_state = copy_bw / (weight_bytes_per_token + kv_bytes + state_bytes) as f64;
 
     drop(model);
-    let ops = op_timings(&backend, &c, opts.context)?;
+    let ops = op_timings(&backend, &c, opts.context, opts.quant)?;
+    // Per-step time beyond streaming the weights at the measured bandwidth, spread over the
+    // work items queued per token: the launch overhead CUDA graphs would remove.
+    let overhead_per_launch_us =
+        (median_step - weight_bytes_per_token as f64 / copy_bw) / launches_per_token * 1e6;
+    let reserve = total_mem.saturating_sub(free_at_start) as u64;
+    let measured_workspace = ledger_peak
+        .saturating_sub(ledger_after_load.weights)
+        .saturating_sub(plan.kv + plan.states);
+    eprintln!(
+        "VRAM ledger ({}): weights {}, KV {}, states {}, workspace {} (peak {} in all), reserve {} (CUDA context, cuBLAS)",
+        info.name,
+        gib(ledger_after_load.weights),
+        gib(plan.kv),
+        gib(plan.states),
+        gib(measured_workspace),
+        gib(ledger_peak),
+        gib(reserve)
+    );
 
     Ok(json!({
         "benchmark": "synthetic",
         "shape": opts.shape,
-        "weights": "bf16",
+        "weights": quant_name,
+        "weights_note": if opts.quant.is_some() {
+            "random valid blocks of this format for every projection matrix, kept quantized on the GPU (matvec dequantizes in registers; prefill dequantizes to BF16 for cuBLAS); embedding, lm_head, conv filters and norms BF16/F32"
+        } else {
+            "random BF16 weights"
+        },
         "exact_math": backend.exact_math(),
         "machine": {
             "gpu": info.name,
@@ -337,9 +507,14 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
         },
         "load_seconds": load_s,
         "vram": {
+            "budget_bytes": opts.vram_budget,
+            "plan": plan,
+            "plan_total_bytes": plan.total(),
             "weights_bytes": ledger_after_load.weights,
             "after_load_bytes": ledger_after_load.used,
-            "peak_bytes": backend.ledger().peak,
+            "peak_bytes": ledger_peak,
+            "workspace_measured_bytes": measured_workspace,
+            "reserve_outside_ledger_bytes": reserve,
         },
         "prefill": {
             "tokens": opts.context,
@@ -356,6 +531,8 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "steps": opts.decode_steps,
             "tokens_per_s": decode_tok_s,
             "median_step_ms": median_step * 1e3,
+            "launches_per_token": launches_per_token,
+            "overhead_per_launch_us": overhead_per_launch_us,
             "weight_bytes_per_token": weight_bytes_per_token,
             "kv_and_state_bytes_per_token": kv_bytes + state_bytes,
             "roofline_tokens_per_s": roof_tok_s,

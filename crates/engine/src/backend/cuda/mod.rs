@@ -132,6 +132,13 @@ struct Inner {
     pool: Mutex<HashMap<usize, Vec<drv_sys::CUdeviceptr>>>,
     /// Bytes held in `pool` (device memory we own but no tensor uses).
     pooled: AtomicU64,
+    /// Work items queued on the stream (kernels, copies, memsets, GEMMs): launch overhead is
+    /// per item, so benchmarks report it per token.
+    launches: AtomicU64,
+    /// Elements of every matrix uploaded (FLOP counts for benchmarks).
+    matrix_elems: AtomicU64,
+    /// Benchmarks only: replace uploaded projection matrices by random blocks of this format.
+    synthetic_quant: Mutex<Option<RowFormat>>,
 }
 
 struct BlasHandle(blas_sys::cublasHandle_t);
@@ -319,19 +326,11 @@ pub struct CudaBackend {
     inner: Arc<Inner>,
 }
 
-/// Kernel arguments: each expression is copied into a local and passed by address.
+/// Kernel arguments: each expression is evaluated into a temporary that lives until the end
+/// of the one statement that launches, and passed by address (no heap allocation per launch).
 macro_rules! launch {
     ($self:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
-        #[allow(unused_mut)]
-        let mut storage: Vec<Box<dyn std::any::Any>> = Vec::new();
-        let mut params: Vec<*mut c_void> = Vec::new();
-        $(
-            let boxed = Box::new($arg);
-            params.push(&*boxed as *const _ as *mut c_void);
-            storage.push(boxed);
-        )*
-        $self.launch_raw($name, $grid, $block, $smem, &mut params);
-        drop(storage);
+        $self.launch_raw($name, $grid, $block, $smem, &mut [$(&($arg) as *const _ as *mut c_void),*]);
     }};
 }
 
@@ -510,6 +509,9 @@ impl CudaBackend {
                 inv_freq: Mutex::new(None),
                 pool: Mutex::new(HashMap::new()),
                 pooled: AtomicU64::new(0),
+                launches: AtomicU64::new(0),
+                matrix_elems: AtomicU64::new(0),
+                synthetic_quant: Mutex::new(None),
             }),
         })
     }
@@ -522,6 +524,53 @@ impl CudaBackend {
     }
     pub fn exact_math(&self) -> bool {
         self.inner.exact
+    }
+    /// Work items (kernels, copies, GEMMs) queued so far.
+    pub fn launches(&self) -> u64 {
+        self.inner.launches.load(Ordering::Relaxed)
+    }
+    /// Elements of all matrices uploaded so far.
+    pub fn matrix_elems(&self) -> u64 {
+        self.inner.matrix_elems.load(Ordering::Relaxed)
+    }
+
+    /// For synthetic benchmarks: from now on every uploaded projection matrix (2-D, not the
+    /// embedding, the LM head or a conv filter, with whole blocks per row) is replaced by random
+    /// valid blocks of `format`, scaled to an RMS of 0.01 like the synthetic BF16 weights, and
+    /// kept quantized. `None` uploads weights as given.
+    pub fn set_synthetic_quant(&self, format: Option<RowFormat>) {
+        *self.inner.synthetic_quant.lock().expect("poisoned") = format;
+    }
+
+    /// Whether [`CudaBackend::set_synthetic_quant`] replaces a matrix of this name and shape.
+    pub fn synthetic_quant_applies(format: RowFormat, name: &str, cols: usize) -> bool {
+        !(name.contains("embed") || name.contains("lm_head") || name.contains("conv"))
+            && cols.is_multiple_of(format.block_len())
+    }
+
+    fn synthetic_quant_matrix(&self, format: RowFormat, t: &HostTensor) -> Result<CudaMatrix> {
+        use rayon::prelude::*;
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let blocks_total = rows * cols / format.block_len();
+        let seed = t.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let parts = 64usize.min(blocks_total.max(1));
+        let per = blocks_total.div_ceil(parts);
+        let chunks: Vec<Vec<u8>> = (0..parts)
+            .into_par_iter()
+            .map(|p| {
+                let n = per.min(blocks_total.saturating_sub(p * per));
+                super::cpu::experts::random_blocks(format, n, seed ^ (p as u64 + 1))
+            })
+            .collect();
+        let blocks = chunks.concat();
+        // Scale to an RMS of 0.01 (measured on the first row).
+        let row_bytes = format.row_bytes(cols)?;
+        let sample = super::dequantize_matrix(format, 1, cols, &blocks[..row_bytes], 1.0)?;
+        let rms = (sample.iter().map(|v| v * v).sum::<f32>() / cols as f32).sqrt();
+        let multiplier = if rms > 0.0 { 0.01 / rms } else { 1.0 };
+        self.quant_matrix(format, rows, cols, &blocks, multiplier)
     }
 
     /// Waits for all queued work.
@@ -636,6 +685,7 @@ impl CudaBackend {
 
     fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
         if bytes > 0 {
+            self.inner.launches.fetch_add(1, Ordering::Relaxed);
             // SAFETY: both ranges are inside live allocations (callers check shapes).
             unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream()) }
                 .expect("device copy failed");
@@ -667,6 +717,7 @@ impl CudaBackend {
             .functions
             .get(name)
             .unwrap_or_else(|| panic!("kernel {name} is not loaded"));
+        self.inner.launches.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the parameters match the kernel's signature (each call site mirrors the .cu file).
         unsafe { drv::launch_kernel(f.0, grid, block, smem, self.stream(), params) }
             .unwrap_or_else(|e| {
@@ -697,6 +748,7 @@ impl CudaBackend {
             }
         };
         let beta = 0f32;
+        self.inner.launches.fetch_add(1, Ordering::Relaxed);
         let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");
         // SAFETY: pointers and leading dimensions describe live device buffers (callers check shapes).
         unsafe {
@@ -1052,6 +1104,15 @@ impl Backend for CudaBackend {
                 t.shape
             );
         }
+        let synthetic = *self.inner.synthetic_quant.lock().expect("poisoned");
+        if let Some(format) = synthetic {
+            if Self::synthetic_quant_applies(format, &t.name, t.shape[1]) {
+                return self.synthetic_quant_matrix(format, t);
+            }
+        }
+        self.inner
+            .matrix_elems
+            .fetch_add((t.shape[0] * t.shape[1]) as u64, Ordering::Relaxed);
         let dtype = match t.dtype {
             DType::F32 => WeightType::F32,
             DType::BF16 => WeightType::BF16,
@@ -1121,6 +1182,9 @@ impl Backend for CudaBackend {
         };
         let what = format!("{} weight [{rows}, {cols}]", format.name());
         let buf = self.try_alloc(blocks.len(), &what, true)?;
+        self.inner
+            .matrix_elems
+            .fetch_add((rows * cols) as u64, Ordering::Relaxed);
         if !blocks.is_empty() {
             // SAFETY: the buffer has exactly this many bytes.
             unsafe { drv::memcpy_htod_async(buf.ptr, blocks, self.stream()) }
@@ -1180,6 +1244,7 @@ impl Backend for CudaBackend {
         let t = self.alloc_act(rows, cols, rows);
         if t.buf.bytes > 0 {
             // SAFETY: inside the allocation.
+            self.inner.launches.fetch_add(1, Ordering::Relaxed);
             unsafe { drv::memset_d8_async(t.ptr(), 0, t.buf.bytes, self.stream()) }
                 .expect("memset failed");
         }
@@ -1572,7 +1637,7 @@ impl Backend for CudaBackend {
         assert_eq!(v.cols, s.num_v_heads * s.v_head_dim);
         assert_eq!(state.len(), s.num_v_heads * s.k_head_dim * s.v_head_dim);
         let out = self.alloc_act(n, v.cols, n);
-        if n > 1 && mode == DeltaRuleMode::Chunked && s.k_head_dim % 4 == 0 {
+        if n > 1 && mode == DeltaRuleMode::Chunked && s.k_head_dim.is_multiple_of(4) {
             self.gated_delta_rule_chunked(q, k, v, g, beta, state, s, &out);
         } else if n > 0 {
             launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;

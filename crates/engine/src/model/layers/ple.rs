@@ -15,6 +15,7 @@ use super::{tensor, Span, WideNorm};
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::config::PleConfig;
+use crate::quant::fp8::E4M3_TO_F32;
 use crate::tensor::{DType, HostTensor};
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
@@ -165,12 +166,71 @@ impl NgramHasher {
     }
 }
 
-/// The n-gram table, possibly split in shards along its rows, read in place.
+/// How the rows of an FP8 E4M3 table part are scaled (ModelOpt's `weight_scale`).
+enum Fp8Scale {
+    /// One F32 scale for the whole part.
+    Tensor(f32),
+    /// One F32 scale per row, read in place (`[rows]` or `[rows, 1]`).
+    Row(HostTensor),
+}
+
+/// One part of the table: rows of F32/F16/BF16, or FP8 E4M3 codes with their scale.
+struct TablePart {
+    /// First row of the part in the whole table.
+    start: u64,
+    weight: HostTensor,
+    fp8: Option<Fp8Scale>,
+}
+
+/// The n-gram table, possibly split in shards along its rows, read in place: rows are
+/// converted (FP8 ones dequantized) only as they are gathered.
 pub struct NgramTable {
-    /// Shards in row order with their first row.
-    shards: Vec<(u64, HostTensor)>,
+    /// Parts in row order.
+    parts: Vec<TablePart>,
     pub rows: u64,
     pub dim: usize,
+}
+
+/// A table part as the file stores it, memory-mapped: an FP8 part stays FP8 here (reading it
+/// through [`crate::checkpoint::Weights::get`] would dequantize the whole ~51 GB table).
+fn stored_part(ck: &Checkpoint, name: &str) -> Result<HostTensor> {
+    let store = ck.weights.store();
+    if store.contains(name) {
+        store.get(name)
+    } else {
+        ck.weights.get(name)
+    }
+}
+
+/// Reads the `weight_scale` of an FP8 table part `t` named `…weight`.
+fn fp8_scale(ck: &Checkpoint, t: &HostTensor) -> Result<Fp8Scale> {
+    let name = format!("{}_scale", t.name);
+    let store = ck.weights.store();
+    if !store.contains(&name) {
+        bail!(
+            "PLE table part {} is FP8 E4M3 but {name} is missing; expected a per-tensor or per-row F32 scale beside it (ModelOpt FP8 layout)",
+            t.name
+        );
+    }
+    let sc = store.get(&name)?;
+    if sc.dtype != DType::F32 {
+        bail!("FP8 scale {name} has dtype {}; expected F32", sc.dtype);
+    }
+    let rows = t.shape[0];
+    if sc.numel() == 1 {
+        let b = sc.data.as_slice();
+        return Ok(Fp8Scale::Tensor(f32::from_le_bytes([
+            b[0], b[1], b[2], b[3],
+        ])));
+    }
+    if sc.shape == [rows] || sc.shape == [rows, 1] {
+        return Ok(Fp8Scale::Row(sc));
+    }
+    bail!(
+        "FP8 scale {name} has shape {:?}; expected one value (per tensor) or [{rows}] / [{rows}, 1] (per row) for the table part of shape {:?}",
+        sc.shape,
+        t.shape
+    )
 }
 
 impl NgramTable {
@@ -180,16 +240,14 @@ impl NgramTable {
         let whole = format!("{p}ngram_embedding.weight");
         let mut parts = Vec::new();
         if ck.weights.contains(&whole) {
-            parts.push(ck.weights.get(&whole)?);
+            parts.push(stored_part(ck, &whole)?);
         } else {
             while ck
                 .weights
                 .contains(&format!("{p}ngram_embedding.shard_{}.weight", parts.len()))
             {
-                parts.push(
-                    ck.weights
-                        .get(&format!("{p}ngram_embedding.shard_{}.weight", parts.len()))?,
-                );
+                let name = format!("{p}ngram_embedding.shard_{}.weight", parts.len());
+                parts.push(stored_part(ck, &name)?);
             }
             if parts.is_empty() {
                 bail!(
@@ -197,7 +255,7 @@ impl NgramTable {
                 );
             }
         }
-        let mut shards = Vec::with_capacity(parts.len());
+        let mut table = Vec::with_capacity(parts.len());
         let mut start = 0u64;
         for t in parts {
             if t.shape.len() != 2 || t.shape[1] != dim {
@@ -207,33 +265,61 @@ impl NgramTable {
                     t.shape
                 );
             }
-            if !matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) {
-                bail!(
-                    "PLE table part {} has dtype {}; expected F32, F16 or BF16",
-                    t.name,
-                    t.dtype
-                );
-            }
+            let fp8 = match t.dtype {
+                DType::F32 | DType::F16 | DType::BF16 => None,
+                DType::F8E4M3 => Some(fp8_scale(ck, &t)?),
+                other => bail!(
+                    "PLE table part {} has dtype {other}; expected F32, F16, BF16 or F8_E4M3 (with weight_scale)",
+                    t.name
+                ),
+            };
             let n = t.shape[0] as u64;
-            shards.push((start, t));
+            table.push(TablePart {
+                start,
+                weight: t,
+                fp8,
+            });
             start += n;
         }
         if start != rows {
             bail!(
                 "PLE table {p}ngram_embedding has {start} rows across {} part(s); the config's n-gram heads need {rows}",
-                shards.len()
+                table.len()
             );
         }
-        Ok(NgramTable { shards, rows, dim })
+        Ok(NgramTable {
+            parts: table,
+            rows,
+            dim,
+        })
+    }
+
+    /// The dtype of the first part (all parts of a published table share it).
+    pub fn dtype(&self) -> DType {
+        self.parts[0].weight.dtype
     }
 
     /// Copies row `row` as f32 into `out` (`dim` values).
     pub fn row(&self, row: u64, out: &mut [f32]) {
-        let i = self.shards.partition_point(|(start, _)| *start <= row) - 1;
-        let (start, t) = &self.shards[i];
-        let r = (row - start) as usize;
+        let i = self.parts.partition_point(|p| p.start <= row) - 1;
+        let part = &self.parts[i];
+        let t = &part.weight;
+        let r = (row - part.start) as usize;
         let size = t.dtype.size();
         let bytes = &t.data.as_slice()[r * self.dim * size..(r + 1) * self.dim * size];
+        if let Some(scale) = &part.fp8 {
+            let s = match scale {
+                Fp8Scale::Tensor(s) => *s,
+                Fp8Scale::Row(v) => {
+                    let b = &v.data.as_slice()[r * 4..r * 4 + 4];
+                    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                }
+            };
+            for (o, &c) in out.iter_mut().zip(bytes) {
+                *o = E4M3_TO_F32[c as usize] * s;
+            }
+            return;
+        }
         for (o, c) in out.iter_mut().zip(bytes.chunks_exact(size)) {
             *o = match t.dtype {
                 DType::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),

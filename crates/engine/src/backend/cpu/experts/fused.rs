@@ -982,6 +982,8 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    /// Per-activation buffers of the tests: values, int8 codes, and two scale arrays.
+    type ActBuffers = (Vec<f32>, Vec<i8>, Vec<f32>, Vec<f32>);
     use super::*;
     use crate::backend::cpu::experts::format::dequantize_row_scalar;
     use crate::backend::cpu::experts::{
@@ -1062,7 +1064,7 @@ mod tests {
                     for isa in isas() {
                         let spec = ActSpec::new(isa, path, fmt, k);
                         let sl = ActSpec::scales_len(k);
-                        let mut bufs: Vec<(Vec<f32>, Vec<i8>, Vec<f32>, Vec<f32>)> = (0..nacts)
+                        let mut bufs: Vec<ActBuffers> = (0..nacts)
                             .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
                             .collect();
                         for (x, b) in xs.iter().zip(bufs.iter_mut()) {

@@ -1,0 +1,814 @@
+//! The prefix cache for agent sessions: exact resumption of a conversation's state.
+//!
+//! **Index.** Token sequences are cut into blocks of `block_tokens`; block `k`'s key is a hash
+//! chained over blocks `0..=k`, so a key names a whole prefix and the keys form a trie stored
+//! flat in a map (a node exists while some entry lies at or below it). An entry is a token
+//! sequence (its exact tokens are kept and compared, so a hash collision can never resume the
+//! wrong state) and the model's full state after it ([`HostState`]: attention KV, QSA indexer
+//! keys, GDN conv and recurrent states, PLE n-gram context, whatever the model writes).
+//!
+//! **Capture.** The scheduler stores an entry at block boundaries within prefill (every
+//! `capture_every_blocks` blocks, and always at the last boundary before the prompt's end, so
+//! the next turn hits even when its re-rendered history differs in the last few tokens) and
+//! at the end of every turn (prompt plus generated tokens). A request resumes from the deepest
+//! entry whose tokens are a prefix of its prompt (leaving at least one token to compute).
+//!
+//! **Tiers.** RAM (host memory, `ram_bytes`) and, when enabled, disk (`disk_bytes`, one
+//! checksummed file per entry, see [`disk`]). Sessions idle for `idle` move their entries to
+//! disk; a hit on a disk entry reads it back into RAM (the file stays, so moving down again
+//! costs nothing). After a restart the disk folder is scanned and its entries are found again.
+//! A VRAM tier (keeping snapshots on the GPU) is not built: states are copied to the host at
+//! capture time.
+//!
+//! **Eviction** (when a tier is over budget), in this order:
+//! 1. entries that are not their session's deepest, least recently used first (dropped from
+//!    RAM, or deleted from disk);
+//! 2. then sessions' deepest entries, least recently used session first: from RAM they move to
+//!    disk when disk offload is on (dropped otherwise); from disk they are deleted.
+//!
+//! So one session's new entries push out every other session's intermediate snapshots before
+//! they touch another session's deepest (its conversation so far), and the deepest entries
+//! only give way to one another by recency. An entry larger than the whole RAM budget is not
+//! stored.
+//!
+//! The expert cache that follows the conversation (per-session routing heat, issue 8) hangs
+//! off [`SessionInfo::expert_heat`]: the scheduler has no hybrid expert cache to feed yet.
+
+pub mod disk;
+pub mod state;
+
+pub use disk::CacheIdentity;
+pub use state::{HostPart, HostReader, HostState};
+
+use anyhow::{Context, Result};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Settings of the prefix cache.
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    /// Tokens per block of the index; prefill chunks end on block boundaries.
+    pub block_tokens: usize,
+    /// Within prefill, a snapshot every this many blocks (besides the last boundary).
+    pub capture_every_blocks: usize,
+    /// RAM tier budget.
+    pub ram_bytes: usize,
+    /// Disk tier budget.
+    pub disk_bytes: u64,
+    /// Disk offload folder; `None` keeps the cache in RAM only.
+    pub disk_dir: Option<PathBuf>,
+    /// A session without requests for this long moves to disk (when disk offload is on).
+    pub idle: Duration,
+    /// What disk entries must match.
+    pub identity: CacheIdentity,
+}
+
+impl CacheConfig {
+    pub fn new(identity: CacheIdentity) -> Self {
+        CacheConfig {
+            block_tokens: 64,
+            capture_every_blocks: 32,
+            ram_bytes: 4 << 30,
+            disk_bytes: 64 << 30,
+            disk_dir: None,
+            idle: Duration::from_secs(300),
+            identity,
+        }
+    }
+}
+
+/// Where an entry's state is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    Ram,
+    Disk,
+}
+
+struct Entry {
+    session: String,
+    tokens: Arc<[u32]>,
+    ram: Option<Arc<HostState>>,
+    disk: Option<(PathBuf, u64)>,
+    /// State bytes in RAM (tokens included).
+    bytes: usize,
+    last_used: f64,
+    /// Tie-breaker for equal times: a global counter.
+    tick: u64,
+}
+
+/// A session: the entries it created and when it was last active.
+#[derive(Debug, Clone, Default)]
+pub struct SessionInfo {
+    pub last_used: f64,
+    /// Hook for the expert cache that follows the conversation (issue 8): per-expert routing
+    /// counts of this session, to prefetch its hot experts when it becomes active. Empty until
+    /// the hybrid expert cache exists.
+    pub expert_heat: Vec<u32>,
+}
+
+/// A resumable state found for a prompt.
+pub struct Hit {
+    pub len: usize,
+    pub state: Arc<HostState>,
+    pub tier: Tier,
+    pub entry: u64,
+}
+
+/// The outcome of looking a request up.
+pub struct Begin {
+    /// The session the request's entries belong to.
+    pub session: String,
+    pub hit: Option<Hit>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SessionStatus {
+    pub id: String,
+    pub tier: Tier,
+    /// Tokens of its deepest entry.
+    pub tokens: usize,
+    /// Bytes of all its entries (RAM and disk).
+    pub bytes: u64,
+    pub entries: usize,
+    pub last_used_s: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Budgets {
+    pub ram_bytes: u64,
+    pub disk_bytes: u64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DiskOffload {
+    pub enabled: bool,
+    pub dir: Option<String>,
+}
+
+/// What `/admin/status` shows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CacheStatus {
+    pub sessions: Vec<SessionStatus>,
+    pub budgets: Budgets,
+    #[serde(rename = "use")]
+    pub usage: Budgets,
+    pub disk_offload: DiskOffload,
+    pub hits: u64,
+    pub misses: u64,
+    pub cached_tokens: u64,
+    pub block_tokens: usize,
+    /// Disk entries rejected (corrupt, truncated, other model) since start.
+    pub disk_rejected: u64,
+}
+
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// A stable 64-bit hash of a token sequence (file names).
+pub fn tokens_hash(tokens: &[u32]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+/// Chained block keys: `keys[k]` names `tokens[..(k+1)·block]`.
+fn block_keys(tokens: &[u32], block: usize) -> Vec<u64> {
+    let mut prev = 0u64;
+    tokens
+        .chunks_exact(block)
+        .map(|b| {
+            let mut h = std::hash::DefaultHasher::new();
+            prev.hash(&mut h);
+            b.hash(&mut h);
+            prev = h.finish();
+            prev
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct Node {
+    /// Entries at or below this node.
+    below: usize,
+    /// Entries whose full blocks end at this node.
+    here: Vec<u64>,
+}
+
+pub struct PrefixCache {
+    config: CacheConfig,
+    /// Per-identity disk folder, when disk offload is on.
+    disk: Option<PathBuf>,
+    entries: HashMap<u64, Entry>,
+    /// Node key (chained block hash; 0 = the root, entries shorter than a block) → node.
+    nodes: HashMap<u64, Node>,
+    sessions: HashMap<String, SessionInfo>,
+    next_id: u64,
+    tick: u64,
+    ram_use: usize,
+    disk_use: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub cached_tokens: u64,
+    pub disk_rejected: u64,
+}
+
+impl PrefixCache {
+    /// An empty cache; with a disk folder, the entries already there are indexed.
+    pub fn new(mut config: CacheConfig) -> Result<Self> {
+        config.block_tokens = config.block_tokens.max(1);
+        config.capture_every_blocks = config.capture_every_blocks.max(1);
+        let dir = config.disk_dir.take();
+        let mut c = PrefixCache {
+            config,
+            disk: None,
+            entries: HashMap::new(),
+            nodes: HashMap::new(),
+            sessions: HashMap::new(),
+            next_id: 1,
+            tick: 0,
+            ram_use: 0,
+            disk_use: 0,
+            hits: 0,
+            misses: 0,
+            cached_tokens: 0,
+            disk_rejected: 0,
+        };
+        if let Some(d) = dir {
+            c.set_disk(Some(&d))?;
+        }
+        Ok(c)
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    pub fn block_tokens(&self) -> usize {
+        self.config.block_tokens
+    }
+
+    pub fn set_ram_budget(&mut self, bytes: usize) {
+        self.config.ram_bytes = bytes;
+        self.enforce_budgets();
+    }
+
+    pub fn set_disk_budget(&mut self, bytes: u64) {
+        self.config.disk_bytes = bytes;
+        self.enforce_budgets();
+    }
+
+    pub fn set_idle(&mut self, idle: Duration) {
+        self.config.idle = idle;
+    }
+
+    /// Turns disk offload on (in `dir`) or off. Turning it on indexes the entries already in
+    /// the folder; turning it off forgets disk-only entries (their files stay for next time).
+    pub fn set_disk(&mut self, dir: Option<&Path>) -> Result<()> {
+        if let Some(dir) = dir {
+            let sub = dir.join(self.config.identity.folder_name());
+            std::fs::create_dir_all(&sub).with_context(|| {
+                format!(
+                    "cannot create the disk cache folder {}; choose a writable folder",
+                    sub.display()
+                )
+            })?;
+            if self.disk.as_deref() == Some(sub.as_path()) {
+                return Ok(());
+            }
+            self.set_disk(None)?;
+            let (found, rejected) = disk::scan(&sub, &self.config.identity);
+            for (path, why) in rejected {
+                tracing::warn!("prefix cache: discarded {}: {why}", path.display());
+                self.disk_rejected += 1;
+            }
+            self.disk = Some(sub);
+            for f in found {
+                if self.find_exact(&f.tokens).is_some() {
+                    continue;
+                }
+                let id = self.add_entry(
+                    f.header.session.clone(),
+                    f.tokens.into(),
+                    None,
+                    0,
+                    f.header.created_unix,
+                );
+                self.entries.get_mut(&id).unwrap().disk = Some((f.path, f.file_bytes));
+                self.disk_use += f.file_bytes;
+            }
+            self.enforce_budgets();
+        } else {
+            self.disk = None;
+            let ids: Vec<u64> = self.entries.keys().copied().collect();
+            for id in ids {
+                let e = self.entries.get_mut(&id).unwrap();
+                if e.disk.take().is_some() && e.ram.is_none() {
+                    self.remove_entry(id);
+                }
+            }
+            self.disk_use = 0;
+        }
+        Ok(())
+    }
+
+    pub fn disk_dir(&self) -> Option<&Path> {
+        self.disk.as_deref()
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn add_entry(
+        &mut self,
+        session: String,
+        tokens: Arc<[u32]>,
+        ram: Option<Arc<HostState>>,
+        bytes: usize,
+        last_used: f64,
+    ) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let keys = block_keys(&tokens, self.config.block_tokens);
+        self.nodes.entry(0).or_default().below += 1;
+        for k in &keys {
+            self.nodes.entry(*k).or_default().below += 1;
+        }
+        let at = keys.last().copied().unwrap_or(0);
+        self.nodes.get_mut(&at).unwrap().here.push(id);
+        let s = self.sessions.entry(session.clone()).or_default();
+        s.last_used = s.last_used.max(last_used);
+        if ram.is_some() {
+            self.ram_use += bytes;
+        }
+        let tick = self.next_tick();
+        self.entries.insert(
+            id,
+            Entry {
+                session,
+                tokens,
+                ram,
+                disk: None,
+                bytes,
+                last_used,
+                tick,
+            },
+        );
+        id
+    }
+
+    fn remove_entry(&mut self, id: u64) {
+        let Some(e) = self.entries.remove(&id) else {
+            return;
+        };
+        if e.ram.is_some() {
+            self.ram_use -= e.bytes;
+        }
+        if let Some((path, n)) = &e.disk {
+            let _ = std::fs::remove_file(path);
+            self.disk_use = self.disk_use.saturating_sub(*n);
+        }
+        let keys = block_keys(&e.tokens, self.config.block_tokens);
+        let at = keys.last().copied().unwrap_or(0);
+        if let Some(n) = self.nodes.get_mut(&at) {
+            n.here.retain(|&x| x != id);
+        }
+        for k in std::iter::once(0).chain(keys) {
+            if let Some(n) = self.nodes.get_mut(&k) {
+                n.below -= 1;
+                if n.below == 0 {
+                    self.nodes.remove(&k);
+                }
+            }
+        }
+        if !self.entries.values().any(|x| x.session == e.session) {
+            self.sessions.remove(&e.session);
+        }
+    }
+
+    fn find_exact(&self, tokens: &[u32]) -> Option<u64> {
+        let keys = block_keys(tokens, self.config.block_tokens);
+        let at = keys.last().copied().unwrap_or(0);
+        self.nodes
+            .get(&at)?
+            .here
+            .iter()
+            .copied()
+            .find(|id| *self.entries[id].tokens == *tokens)
+    }
+
+    /// True when no entry holds exactly these tokens (worth capturing).
+    pub fn wants(&self, tokens: &[u32]) -> bool {
+        !tokens.is_empty() && self.find_exact(tokens).is_none()
+    }
+
+    /// Entries usable for `prompt` (a prefix of it of at most `max_len` tokens), deepest first.
+    fn candidates(&self, prompt: &[u32], max_len: usize) -> Vec<u64> {
+        let mut out: Vec<u64> = Vec::new();
+        let mut visit = |node: &Node| {
+            for id in &node.here {
+                let t = &self.entries[id].tokens;
+                if t.len() <= max_len && prompt.starts_with(t) {
+                    out.push(*id);
+                }
+            }
+        };
+        if let Some(root) = self.nodes.get(&0) {
+            visit(root);
+        }
+        for k in block_keys(prompt, self.config.block_tokens) {
+            match self.nodes.get(&k) {
+                Some(n) => visit(n),
+                None => break,
+            }
+        }
+        out.sort_by_key(|id| std::cmp::Reverse(self.entries[id].tokens.len()));
+        out
+    }
+
+    /// The deepest entry of a session (its conversation so far).
+    fn deepest_of(&self, session: &str) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.session == session)
+            .max_by_key(|(_, e)| (e.tokens.len(), e.tick))
+            .map(|(id, _)| *id)
+    }
+
+    /// Looks a request up: the deepest usable state (read back from disk if it is there) and
+    /// the session its new entries belong to (`key`, else the session it continues, else a
+    /// new one). `max_len` is the most tokens a hit may cover (the prompt minus one).
+    pub fn begin(&mut self, prompt: &[u32], max_len: usize, key: Option<&str>) -> Begin {
+        let now = unix_now();
+        let mut hit = None;
+        for id in self.candidates(prompt, max_len) {
+            match self.load(id) {
+                Ok((state, from_disk)) => {
+                    let tier = if from_disk { Tier::Disk } else { Tier::Ram };
+                    hit = Some(Hit {
+                        len: self.entries[&id].tokens.len(),
+                        state,
+                        tier,
+                        entry: id,
+                    });
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!("prefix cache: discarded an entry: {e:#}");
+                    self.disk_rejected += 1;
+                    self.remove_entry(id);
+                }
+            }
+        }
+        let session = match (key, &hit) {
+            (Some(k), _) => k.to_string(),
+            (None, Some(h)) => {
+                let s = self.entries[&h.entry].session.clone();
+                // Continuing a conversation's tip makes the request part of it; a hit on a
+                // shared shallower prefix (a common system prompt) does not.
+                if self.deepest_of(&s) == Some(h.entry) {
+                    s
+                } else {
+                    self.new_session_id()
+                }
+            }
+            (None, None) => self.new_session_id(),
+        };
+        let tick = self.next_tick();
+        if let Some(h) = &hit {
+            let e = self.entries.get_mut(&h.entry).unwrap();
+            e.last_used = now;
+            e.tick = tick;
+            self.hits += 1;
+            self.cached_tokens += h.len as u64;
+        } else {
+            self.misses += 1;
+        }
+        self.sessions.entry(session.clone()).or_default().last_used = now;
+        self.enforce_budgets();
+        Begin { session, hit }
+    }
+
+    fn new_session_id(&mut self) -> String {
+        let t = self.next_tick();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        format!(
+            "auto-{:012x}",
+            (nanos ^ t.rotate_left(40)) & 0xffff_ffff_ffff
+        )
+    }
+
+    /// The entry's state in RAM (reading it from disk if needed); the flag says it came from
+    /// disk.
+    fn load(&mut self, id: u64) -> Result<(Arc<HostState>, bool)> {
+        let e = &self.entries[&id];
+        if let Some(s) = &e.ram {
+            return Ok((s.clone(), false));
+        }
+        let (path, _) = e
+            .disk
+            .clone()
+            .context("a cache entry is in neither RAM nor disk")?;
+        let state = disk::read_entry(&path, &self.config.identity, Some(&e.tokens))
+            .with_context(|| format!("{}", path.display()))?;
+        let bytes = state.bytes() + e.tokens.len() * 4;
+        let state = Arc::new(state);
+        let e = self.entries.get_mut(&id).unwrap();
+        e.ram = Some(state.clone());
+        e.bytes = bytes;
+        self.ram_use += bytes;
+        Ok((state, true))
+    }
+
+    /// Stores the state after `tokens` for `session` (no-op when already stored).
+    pub fn insert(&mut self, session: &str, tokens: &[u32], state: HostState) {
+        if let Some(id) = self.find_exact(tokens) {
+            let t = self.next_tick();
+            let e = self.entries.get_mut(&id).unwrap();
+            e.last_used = unix_now();
+            e.tick = t;
+            return;
+        }
+        if state.len != tokens.len() {
+            tracing::error!(
+                "prefix cache: a state of {} tokens offered for {} tokens; not stored",
+                state.len,
+                tokens.len()
+            );
+            return;
+        }
+        let bytes = state.bytes() + tokens.len() * 4;
+        if bytes > self.config.ram_bytes {
+            return;
+        }
+        let now = unix_now();
+        self.add_entry(
+            session.to_string(),
+            tokens.into(),
+            Some(Arc::new(state)),
+            bytes,
+            now,
+        );
+        self.enforce_budgets();
+    }
+
+    /// Drops an entry (after its state failed to load into the model).
+    pub fn discard(&mut self, entry: u64) {
+        self.remove_entry(entry);
+    }
+
+    /// True for the deepest entry of its session.
+    fn protected_set(&self) -> std::collections::HashSet<u64> {
+        let mut best: HashMap<&str, (usize, u64, u64)> = HashMap::new();
+        for (id, e) in &self.entries {
+            let k = (e.tokens.len(), e.tick, *id);
+            let b = best.entry(&e.session).or_insert(k);
+            if (k.0, k.1) > (b.0, b.1) {
+                *b = k;
+            }
+        }
+        best.values().map(|b| b.2).collect()
+    }
+
+    /// Victim order: unprotected first, then least recently used.
+    fn victim(&self, filter: impl Fn(&Entry) -> bool) -> Option<(u64, bool)> {
+        let protected = self.protected_set();
+        self.entries
+            .iter()
+            .filter(|(_, e)| filter(e))
+            .map(|(id, e)| (*id, protected.contains(id), e))
+            .min_by(|a, b| {
+                (a.1, a.2.last_used, a.2.tick)
+                    .partial_cmp(&(b.1, b.2.last_used, b.2.tick))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            })
+            .map(|(id, p, _)| (id, p))
+    }
+
+    /// Writes an entry's RAM state to disk (if not there yet) and drops it from RAM.
+    fn demote(&mut self, id: u64) -> bool {
+        let Some(dir) = self.disk.clone() else {
+            return false;
+        };
+        let e = &self.entries[&id];
+        let Some(state) = e.ram.clone() else {
+            return true;
+        };
+        if e.disk.is_none() {
+            match disk::write_entry(&dir, &self.config.identity, &e.session, &e.tokens, &state) {
+                Ok((path, n)) => {
+                    self.disk_use += n;
+                    self.entries.get_mut(&id).unwrap().disk = Some((path, n));
+                }
+                Err(err) => {
+                    tracing::warn!("prefix cache: moving an entry to disk failed: {err:#}");
+                    return false;
+                }
+            }
+        }
+        let e = self.entries.get_mut(&id).unwrap();
+        e.ram = None;
+        self.ram_use -= e.bytes;
+        true
+    }
+
+    fn drop_from_ram(&mut self, id: u64) {
+        let e = self.entries.get_mut(&id).unwrap();
+        if e.disk.is_some() {
+            e.ram = None;
+            self.ram_use -= e.bytes;
+        } else {
+            self.remove_entry(id);
+        }
+    }
+
+    fn enforce_budgets(&mut self) {
+        while self.ram_use > self.config.ram_bytes {
+            let Some((id, protected)) = self.victim(|e| e.ram.is_some()) else {
+                break;
+            };
+            if !(protected && self.demote(id)) {
+                self.drop_from_ram(id);
+            }
+        }
+        while self.disk_use > self.config.disk_bytes {
+            let Some((id, _)) = self.victim(|e| e.disk.is_some()) else {
+                break;
+            };
+            let e = self.entries.get_mut(&id).unwrap();
+            let (path, n) = e.disk.take().unwrap();
+            let _ = std::fs::remove_file(&path);
+            self.disk_use = self.disk_use.saturating_sub(n);
+            if e.ram.is_none() {
+                self.remove_entry(id);
+            }
+        }
+    }
+
+    /// Moves sessions idle for longer than the configured time to disk (when it is on).
+    /// Returns how many entries moved.
+    pub fn maintain(&mut self) -> usize {
+        if self.disk.is_none() {
+            return 0;
+        }
+        let cutoff = unix_now() - self.config.idle.as_secs_f64();
+        let idle: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| {
+                e.ram.is_some()
+                    && self
+                        .sessions
+                        .get(&e.session)
+                        .is_some_and(|s| s.last_used < cutoff)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let mut moved = 0;
+        for id in idle {
+            if self.demote(id) {
+                moved += 1;
+            }
+        }
+        if moved > 0 {
+            self.enforce_budgets();
+        }
+        moved
+    }
+
+    /// Writes every session's deepest RAM entry to disk (when disk offload is on), so the
+    /// conversations are found again after a restart. Called when the scheduler stops.
+    pub fn flush_to_disk(&mut self) -> usize {
+        if self.disk.is_none() {
+            return 0;
+        }
+        let mut written = 0;
+        for id in self.protected_set() {
+            let e = &self.entries[&id];
+            if e.ram.is_some() && e.disk.is_none() && self.demote(id) {
+                written += 1;
+            }
+        }
+        self.enforce_budgets();
+        written
+    }
+
+    /// True when some session is in RAM and disk offload is on (maintenance has work).
+    pub fn has_idle_work(&self) -> bool {
+        self.disk.is_some() && self.entries.values().any(|e| e.ram.is_some())
+    }
+
+    pub fn ram_use(&self) -> usize {
+        self.ram_use
+    }
+
+    pub fn disk_use(&self) -> u64 {
+        self.disk_use
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Token counts of the entries (tests and diagnostics), with their tier.
+    pub fn entries_of(&self, session: &str) -> Vec<(usize, Tier)> {
+        let mut v: Vec<(usize, Tier)> = self
+            .entries
+            .values()
+            .filter(|e| e.session == session)
+            .map(|e| {
+                (
+                    e.tokens.len(),
+                    if e.ram.is_some() {
+                        Tier::Ram
+                    } else {
+                        Tier::Disk
+                    },
+                )
+            })
+            .collect();
+        v.sort_by_key(|x| x.0);
+        v
+    }
+
+    pub fn session_info(&mut self, session: &str) -> Option<&mut SessionInfo> {
+        self.sessions.get_mut(session)
+    }
+
+    pub fn status(&self) -> CacheStatus {
+        let now = unix_now();
+        let mut sessions: Vec<SessionStatus> = self
+            .sessions
+            .iter()
+            .filter_map(|(id, info)| {
+                let deepest = self.deepest_of(id)?;
+                let d = &self.entries[&deepest];
+                let mine = self.entries.values().filter(|e| &e.session == id);
+                let bytes = mine
+                    .clone()
+                    .map(|e| {
+                        e.ram.as_ref().map_or(0, |_| e.bytes as u64)
+                            + e.disk.as_ref().map_or(0, |d| d.1)
+                    })
+                    .sum();
+                Some(SessionStatus {
+                    id: id.clone(),
+                    tier: if d.ram.is_some() {
+                        Tier::Ram
+                    } else {
+                        Tier::Disk
+                    },
+                    tokens: d.tokens.len(),
+                    bytes,
+                    entries: mine.count(),
+                    last_used_s: (now - info.last_used).max(0.0),
+                })
+            })
+            .collect();
+        sessions.sort_by(|a, b| a.last_used_s.total_cmp(&b.last_used_s));
+        CacheStatus {
+            sessions,
+            budgets: Budgets {
+                ram_bytes: self.config.ram_bytes as u64,
+                disk_bytes: self.config.disk_bytes,
+            },
+            usage: Budgets {
+                ram_bytes: self.ram_use as u64,
+                disk_bytes: self.disk_use,
+            },
+            disk_offload: DiskOffload {
+                enabled: self.disk.is_some(),
+                dir: self.disk.as_ref().map(|d| {
+                    d.parent()
+                        .unwrap_or(d.as_path())
+                        .to_string_lossy()
+                        .into_owned()
+                }),
+            },
+            hits: self.hits,
+            misses: self.misses,
+            cached_tokens: self.cached_tokens,
+            block_tokens: self.config.block_tokens,
+            disk_rejected: self.disk_rejected,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
