@@ -9,7 +9,10 @@ use capy_engine::backend::cpu::simd::Isa;
 use capy_engine::backend::cpu::CpuBackend;
 use capy_engine::checkpoint::Checkpoint;
 use capy_engine::hybrid::host_store::pack_float_experts;
-use capy_engine::hybrid::{ExpertCache, ExpertCacheConfig, HybridExperts, Placement};
+use capy_engine::hybrid::{
+    load_flash_next, ExpertCache, ExpertCacheConfig, HybridExperts, HybridModel, HybridOptions,
+    Placement,
+};
 use capy_engine::model::layers::moe::read_expert_tensors;
 use capy_engine::model::layers::text_prefix;
 use capy_engine::model::qwen4_exp_text::Qwen4ExpText;
@@ -158,10 +161,16 @@ fn greedy_of(model: &mut dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
 }
 
 fn check(how: How, label: &str) -> Option<Arc<Mutex<ExpertCache>>> {
-    let r = reference();
     let (mut model, cache) = model_with(how);
+    check_model(&mut model, label);
+    cache
+}
+
+/// Every fixture prompt's logits and greedy tokens against the reference.
+fn check_model(model: &mut dyn CausalLm, label: &str) {
+    let r = reference();
     for (i, p) in r.prompts.iter().enumerate() {
-        let got = logits_of(&mut model, p);
+        let got = logits_of(model, p);
         let d = got
             .iter()
             .zip(&r.logits[i])
@@ -172,10 +181,9 @@ fn check(how: How, label: &str) -> Option<Arc<Mutex<ExpertCache>>> {
             "{label}: prompt {i} ({} tokens): max |Δ| = {d}",
             p.len()
         );
-        let g = greedy_of(&mut model, p, r.greedy[i].len());
+        let g = greedy_of(model, p, r.greedy[i].len());
         assert_eq!(g, r.greedy[i], "{label}: prompt {i}: greedy tokens differ");
     }
-    cache
 }
 
 #[test]
@@ -200,4 +208,82 @@ fn cold_then_warm_cache_matches_the_reference() {
     // The cache really moved experts while the prompts ran: both sides computed.
     assert!(s.admissions >= 6, "{s:?}");
     assert!(s.hits > 0 && s.hits < s.lookups, "{s:?}");
+}
+
+/// The loader's path: host store packed from the checkpoint, cache sized from a byte budget.
+fn loaded(cache_bytes: usize, hot_set: Option<PathBuf>) -> HybridModel<CpuBackend> {
+    let ck = Checkpoint::open(&fixture_dir()).unwrap();
+    let o = HybridOptions {
+        cache_bytes,
+        threads: 2,
+        half_life_tokens: 8.0,
+        hot_set,
+        ..Default::default()
+    };
+    load_flash_next(CpuBackend::new(), &ck, &o).unwrap()
+}
+
+#[test]
+fn hybrid_loader_with_a_small_cache_matches_the_reference() {
+    let probe = loaded(0, None);
+    let six = 6 * probe.report.expert_bytes;
+    let mut h = loaded(six, None);
+    assert!(!h.report.all_resident);
+    assert_eq!(h.report.cache_slots, 6);
+    assert_eq!(
+        h.report.host_bytes, probe.report.host_bytes,
+        "the host store holds every expert whatever the cache size"
+    );
+    check_model(&mut h.model, "loader, 6 slots");
+    let s = h.cache.as_ref().unwrap().lock().unwrap().stats();
+    assert!(
+        s.admissions >= 6 && s.hits > 0 && s.hits < s.lookups,
+        "{s:?}"
+    );
+}
+
+#[test]
+fn hybrid_loader_with_room_for_every_expert_fixes_them_resident() {
+    let mut h = loaded(usize::MAX / 2, None);
+    assert!(h.report.all_resident && h.cache.is_none());
+    assert_eq!(
+        h.report.cache_slots,
+        h.report.moe_layers * h.report.experts_per_layer
+    );
+    check_model(&mut h.model, "loader, all resident");
+}
+
+#[test]
+fn a_saved_hot_set_starts_the_cache_warm() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("hot.json");
+    let probe = loaded(0, None);
+    let budget = 6 * probe.report.expert_bytes;
+    let ck = Checkpoint::open(&fixture_dir()).unwrap();
+    let prompt = reference().prompts[0].clone();
+
+    // A cold start: the first forward pass finds nothing resident.
+    let mut cold = loaded(budget, None);
+    logits_of(&mut cold.model, &prompt);
+    let c = cold.cache.as_ref().unwrap().lock().unwrap();
+    assert_eq!(c.stats().hits, 0, "{:?}", c.stats());
+    c.save_hot_set(&path, &capy_engine::hybrid::load::hot_set_model_id(&ck))
+        .unwrap();
+    drop(c);
+
+    // A warm start from the saved set: the same pass hits at once, and the result is the same.
+    let mut warm = loaded(budget, Some(path));
+    assert!(
+        warm.cache
+            .as_ref()
+            .unwrap()
+            .lock()
+            .unwrap()
+            .resident_count()
+            > 0
+    );
+    logits_of(&mut warm.model, &prompt);
+    let s = warm.cache.as_ref().unwrap().lock().unwrap().stats();
+    assert!(s.hits > 0, "{s:?}");
+    check_model(&mut warm.model, "loader, warm start");
 }

@@ -104,19 +104,30 @@ impl<B: Backend> HybridExperts<B> {
             scratch: None,
             scratch_pairs: 0,
         };
-        if let Placement::Fixed(resident) = &placement {
-            if resident.len() != host.experts {
-                bail!(
-                    "layer {layer}: a fixed placement names {} experts, the layer has {}",
-                    resident.len(),
-                    host.experts
-                );
+        let resident: Vec<usize> = match &placement {
+            Placement::Fixed(resident) => {
+                if resident.len() != host.experts {
+                    bail!(
+                        "layer {layer}: a fixed placement names {} experts, the layer has {}",
+                        resident.len(),
+                        host.experts
+                    );
+                }
+                (0..host.experts).filter(|&e| resident[e]).collect()
             }
-            for e in (0..host.experts).filter(|&e| resident[e]) {
-                state.slot_of[e] = Some(state.slots.len() as u32);
-                state.slots.push(upload(b, &host, e)?);
-                state.slot_expert.push(e as u32);
+            // A cache warmed from a saved hot set starts with its residents copied in.
+            Placement::Cached(cache) => {
+                let c = cache.lock().expect("expert cache");
+                c.resident_in(layer)
+                    .into_iter()
+                    .map(|e| e as usize)
+                    .collect()
             }
+        };
+        for e in resident {
+            state.slot_of[e] = Some(state.slots.len() as u32);
+            state.slots.push(upload(b, &host, e)?);
+            state.slot_expert.push(e as u32);
         }
         Ok(HybridExperts {
             layer,
@@ -159,7 +170,7 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                 if self.layer == 0 {
                     c.advance(n);
                 }
-                let d = c.observe(self.layer, &routing.experts);
+                c.observe(self.layer, &routing.experts);
                 // Slots given up by this or an earlier layer's decision.
                 let stale: Vec<u32> = st
                     .slot_expert
@@ -170,7 +181,12 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                 for e in stale {
                     st.drop_slot(e);
                 }
-                d.admit
+                // What the cache holds resident without a copy here: admitted just now, or
+                // earlier by a lookahead prefetch or a returning session's heat.
+                c.resident_in(self.layer)
+                    .into_iter()
+                    .filter(|&e| st.slot_of[e as usize].is_none())
+                    .collect()
             }
         };
         let split = split_routing(routing, |e| st.slot_of[e as usize].is_some());

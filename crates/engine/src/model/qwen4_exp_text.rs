@@ -16,7 +16,7 @@
 use super::layers::attention::{Attention, AttentionState};
 use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::hyper::HyperConnection;
-use super::layers::moe::SparseMoe;
+use super::layers::moe::{ExpertLoader, SparseMoe};
 use super::layers::ple::{Ple, PleState};
 use super::layers::{tensor, text_prefix, Span};
 use super::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId, SequenceTable, StateSnapshot};
@@ -90,6 +90,16 @@ pub struct Qwen4ExpText<B: Backend> {
 
 impl<B: Backend> Qwen4ExpText<B> {
     pub fn load(backend: B, ck: &Checkpoint) -> Result<Self> {
+        Self::load_with_experts(backend, ck, None)
+    }
+
+    /// [`Qwen4ExpText::load`] with the routed experts of every MoE layer built by `experts`
+    /// (hybrid placement) instead of uploaded to the backend.
+    pub fn load_with_experts(
+        backend: B,
+        ck: &Checkpoint,
+        mut experts: Option<&mut ExpertLoader<'_, B>>,
+    ) -> Result<Self> {
         let c = ck.config.clone();
         let flash = c
             .qwen4_exp()
@@ -156,7 +166,14 @@ impl<B: Backend> Qwen4ExpText<B> {
                 attn_hyper: hyper("attn_hyper_connection")?,
                 mixer,
                 mlp_hyper: hyper("mlp_hyper_connection")?,
-                moe: SparseMoe::load(b, ck, &format!("{p}mlp."), h, &flash.moe)?,
+                moe: SparseMoe::load_with(
+                    b,
+                    ck,
+                    &format!("{p}mlp."),
+                    h,
+                    &flash.moe,
+                    experts.as_deref_mut().map(|f| (i, f)),
+                )?,
             });
         }
         let final_mixer = HyperConnection::load(

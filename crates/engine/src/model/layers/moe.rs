@@ -81,7 +81,31 @@ pub fn read_expert_tensors(
         .collect()
 }
 
-/// [`read_expert_tensors`], uploaded to the backend.
+/// The `[rows, cols]` weight `name` stored quantized in a format the kernels read, or `None`
+/// (float storage, or sizes the formats cannot hold).
+fn quant_rows(
+    ck: &Checkpoint,
+    name: &str,
+    want: [usize; 2],
+) -> Result<Option<crate::checkpoint::QuantRows>> {
+    let q = ck.weights.quant_rows(name)?;
+    if let Some(q) = &q {
+        if [q.rows, q.cols] != want {
+            bail!(
+                "routed expert {name}: stored as [{}, {}], expected {want:?} from config.json",
+                q.rows,
+                q.cols
+            );
+        }
+    }
+    Ok(q)
+}
+
+/// The routed experts on the backend. Quantized storage stays quantized
+/// ([`Backend::quant_matrix`]: NVFP4, FP8 and GGUF block types are never expanded to f32 on
+/// the CPU): per expert, `gate ‖ up` when both are stored in one format with one multiplier,
+/// and `down`, each on its own. The rest (float storage, the fused `gate_up_proj` layout)
+/// goes through [`read_expert_tensors`].
 pub fn load_expert_matrices<B: Backend>(
     b: &B,
     ck: &Checkpoint,
@@ -89,16 +113,56 @@ pub fn load_expert_matrices<B: Backend>(
     hidden: usize,
     m: &MoeConfig,
 ) -> Result<Vec<ExpertMatrices<B::Matrix>>> {
-    read_expert_tensors(ck, p, hidden, m)?
-        .into_iter()
-        .map(|t| {
-            Ok(ExpertMatrices {
-                gate_up: b.matrix(&t.gate_up)?,
-                down: b.matrix(&t.down)?,
+    let (e_count, inter) = (m.num_experts, m.moe_intermediate_size);
+    if ck.weights.contains(&format!("{p}gate_up_proj")) {
+        return read_expert_tensors(ck, p, hidden, m)?
+            .into_iter()
+            .map(|t| {
+                Ok(ExpertMatrices {
+                    gate_up: b.matrix(&t.gate_up)?,
+                    down: b.matrix(&t.down)?,
+                })
             })
+            .collect();
+    }
+    if !ck.weights.contains(&format!("{p}0.gate_proj.weight")) {
+        // Names what is expected.
+        read_expert_tensors(ck, p, hidden, m)?;
+    }
+    (0..e_count)
+        .map(|e| {
+            let name = |proj: &str| format!("{p}{e}.{proj}.weight");
+            let gate_up = match (
+                quant_rows(ck, &name("gate_proj"), [inter, hidden])?,
+                quant_rows(ck, &name("up_proj"), [inter, hidden])?,
+            ) {
+                (Some(g), Some(u)) if g.format == u.format && g.multiplier == u.multiplier => {
+                    let mut blocks = g.bytes;
+                    blocks.extend_from_slice(&u.bytes);
+                    b.quant_matrix(g.format, 2 * inter, hidden, &blocks, g.multiplier)?
+                }
+                _ => {
+                    let gate = tensor(ck, &name("gate_proj"), &[inter, hidden])?;
+                    let up = tensor(ck, &name("up_proj"), &[inter, hidden])?;
+                    b.matrix(&HostTensor::concat_rows(
+                        &format!("{p}{e}.gate_up_proj"),
+                        &[gate, up],
+                    )?)?
+                }
+            };
+            let down = match quant_rows(ck, &name("down_proj"), [hidden, inter])? {
+                Some(d) => b.quant_matrix(d.format, hidden, inter, &d.bytes, d.multiplier)?,
+                None => b.matrix(&tensor(ck, &name("down_proj"), &[hidden, inter])?)?,
+            };
+            Ok(ExpertMatrices { gate_up, down })
         })
         .collect()
 }
+
+/// Builds a layer's routed experts instead of uploading them all to the backend (hybrid
+/// placement plugs in here): gets the backend, the layer index and the experts' tensor prefix
+/// (`…mlp.experts.`).
+pub type ExpertLoader<'a, B> = dyn FnMut(&B, usize, &str) -> Result<Box<dyn RoutedExperts<B>>> + 'a;
 
 pub struct SparseMoe<B: Backend> {
     /// Fused router `gate.weight` `[E, H]` ‖ `shared_expert_gate.weight` `[1, H]`.
@@ -111,17 +175,36 @@ pub struct SparseMoe<B: Backend> {
 }
 
 impl<B: Backend> SparseMoe<B> {
-    /// Loads `p` (`…mlp.`).
+    /// Loads `p` (`…mlp.`), the routed experts uploaded to the backend.
     pub fn load(b: &B, ck: &Checkpoint, p: &str, hidden: usize, m: &MoeConfig) -> Result<Self> {
+        Self::load_with(b, ck, p, hidden, m, None)
+    }
+
+    /// Loads `p` (`…mlp.`); `experts` builds the routed experts of layer `layer` (uploaded to
+    /// the backend when `None`).
+    pub fn load_with(
+        b: &B,
+        ck: &Checkpoint,
+        p: &str,
+        hidden: usize,
+        m: &MoeConfig,
+        experts: Option<(usize, &mut ExpertLoader<'_, B>)>,
+    ) -> Result<Self> {
         let gate = tensor(ck, &format!("{p}gate.weight"), &[m.num_experts, hidden])?;
         let shared_gate = tensor(ck, &format!("{p}shared_expert_gate.weight"), &[1, hidden])?;
-        let experts = load_expert_matrices(b, ck, &format!("{p}experts."), hidden, m)?;
+        let prefix = format!("{p}experts.");
+        let experts: Box<dyn RoutedExperts<B>> = match experts {
+            Some((layer, load)) => load(b, layer, &prefix)?,
+            None => Box::new(BackendExperts::<B> {
+                experts: load_expert_matrices(b, ck, &prefix, hidden, m)?,
+            }),
+        };
         Ok(SparseMoe {
             router: b.matrix(&HostTensor::concat_rows(
                 &format!("{p}router"),
                 &[gate, shared_gate],
             )?)?,
-            experts: Box::new(BackendExperts::<B> { experts }),
+            experts,
             shared: Mlp::load(
                 b,
                 ck,
