@@ -28,7 +28,7 @@ const repos = {
   "capy-test/bad-ckpt": [{ path: "model.safetensors", data: content(200_000, 9), lfs: true, wrongChecksum: true }],
 };
 
-let hub, server, browser, page, origin, serverLog = "";
+let hub, server, browser, page, origin, port, serverLog = "";
 
 function freePort() {
   return new Promise((resolve) => { const s = net.createServer(); s.listen(0, "127.0.0.1", () => { const p = s.address().port; s.close(() => resolve(p)); }); });
@@ -43,13 +43,7 @@ async function waitFor(fn, what, ms = 60_000) {
 }
 const text = (id) => page.getByTestId(id).innerText();
 
-before(async () => {
-  assert.ok(browserPath, "chromium not found: apt-get install chromium (or set CHROMIUM)");
-  assert.ok(fs.existsSync(bin), `${bin} not found: cargo build -p capy-flash (or set CAPY_BIN)`);
-  fs.mkdirSync(shots, { recursive: true });
-  hub = await startHub(repos);
-  const port = await freePort();
-  origin = `http://127.0.0.1:${port}`;
+async function startServer() {
   server = spawn(bin, ["serve", "--model", "demo", "--port", String(port)], {
     env: { ...process.env, HF_ENDPOINT: hub.url, CAPY_MODELS_DIR: modelsDir, CAPY_CONFIG_DIR: configDir },
     stdio: ["ignore", "pipe", "pipe"],
@@ -57,6 +51,21 @@ before(async () => {
   server.stdout.on("data", (d) => { serverLog += d; });
   server.stderr.on("data", (d) => { serverLog += d; });
   await waitFor(async () => (await fetch(origin + "/health")).ok, "the server", 300_000);
+}
+async function stopServer() {
+  const exited = new Promise((resolve) => server.once("exit", (code, signal) => resolve({ code, signal })));
+  server.kill("SIGINT");
+  return exited;
+}
+
+before(async () => {
+  assert.ok(browserPath, "chromium not found: apt-get install chromium (or set CHROMIUM)");
+  assert.ok(fs.existsSync(bin), `${bin} not found: cargo build -p capy-flash (or set CAPY_BIN)`);
+  fs.mkdirSync(shots, { recursive: true });
+  hub = await startHub(repos);
+  port = await freePort();
+  origin = `http://127.0.0.1:${port}`;
+  await startServer();
   browser = await chromium.launch({ executablePath: browserPath, args: ["--no-sandbox", "--disable-dev-shm-usage"] });
   const context = await browser.newContext({ viewport: { width: 1280, height: 1400 } });
   await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin });
@@ -67,7 +76,7 @@ before(async () => {
 
 after(async () => {
   await browser?.close();
-  server?.kill("SIGINT");
+  if (server && server.exitCode === null) server.kill("SIGINT");
   hub?.server.close();
   fs.rmSync(tmp, { recursive: true, force: true });
 });
@@ -109,8 +118,12 @@ test("toggles disk offload and persists it", async () => {
   assert.equal(saved.disk_offload, true);
   assert.equal(saved.disk_offload_dir, dir);
   assert.ok(fs.statSync(dir).isDirectory());
-  fs.writeFileSync(path.join(dir, "session.bin"), Buffer.alloc(12_345));
-  await waitFor(async () => (await text("offloaded")) === "12.3 kB", "the offloaded bytes");
+  // The figure shown is the prefix cache's disk use, as the server reports it.
+  const fmt = (b) => (b >= 1e9 ? (b / 1e9).toFixed(2) + " GB" : b >= 1e6 ? (b / 1e6).toFixed(1) + " MB" : b >= 1e3 ? (b / 1e3).toFixed(1) + " kB" : b + " B");
+  await waitFor(async () => {
+    const st = await (await fetch(origin + "/admin/status")).json();
+    return (await text("offloaded")) === fmt(st.use.prefix_cache.disk_bytes);
+  }, "the offloaded bytes as the server reports them");
   await page.getByTestId("offload-toggle").uncheck();
   await waitFor(async () => !(await (await fetch(origin + "/admin/status")).json()).disk_offload.enabled, "offload off");
 });
@@ -154,4 +167,15 @@ test("a folder added by hand shows up", async () => {
   fs.mkdirSync(path.join(modelsDir, "by-hand"));
   fs.writeFileSync(path.join(modelsDir, "by-hand", "config.json"), "{}");
   await waitFor(async () => /by-hand \(installed/.test(await page.locator("#other-folders").innerText()), "the new folder");
+});
+
+// Last: a restarted server is a new process (downloads in flight are not carried over).
+test("follows the server stopping and starting again", async () => {
+  const { code } = await stopServer();
+  assert.equal(code, 0, `the server exits cleanly on SIGINT\n${serverLog.slice(-2000)}`);
+  await waitFor(async () => (await text("server-state")) === "unreachable", "the dashboard to see the server stopped");
+  await page.screenshot({ path: path.join(shots, "server-stopped.png"), fullPage: true });
+  await startServer();
+  await waitFor(async () => (await text("server-state")) === "ready", "the dashboard to see the server back");
+  assert.match(await text("model"), /serving demo/);
 });

@@ -47,11 +47,14 @@ export function startHub(repos) {
     res.writeHead(range ? 206 : 200, headers);
     const key = `${m[1]}/${file.path}`;
     const cut = state.cutNext[key]; delete state.cutNext[key];
-    for (let off = 0; off < body.length; off += 16384) {
-      if (cut != null && off >= cut) { res.destroy(); return; }
-      res.write(body.subarray(off, Math.min(off + 16384, body.length)));
+    // A cut sends exactly `cut` bytes of this response, then drops the connection.
+    const stop = cut != null ? Math.min(cut, body.length) : body.length;
+    for (let off = 0; off < stop; off += 16384) {
+      const end = Math.min(off + 16384, stop);
+      await new Promise((r) => res.write(body.subarray(off, end), r));
       await new Promise((r) => setTimeout(r, state.chunkDelayMs));
     }
+    if (cut != null) { res.destroy(); return; }
     res.end();
   });
   return new Promise((resolve) =>
