@@ -188,7 +188,9 @@ async function pollStatus() {
     const o = s.disk_offload;
     $("offload").checked = o.enabled;
     if (!offloadDirty && document.activeElement !== $("offload-dir")) $("offload-dir").value = o.dir;
-    $("offloaded").textContent = bytes(o.bytes_offloaded);
+    // The prefix cache's disk tier is what is offloaded; without a cache nothing is.
+    const pc = s.use && s.use.prefix_cache;
+    $("offloaded").textContent = bytes(pc ? pc.disk_bytes : 0);
     $("sessions").textContent = (s.sessions || []).length;
   } catch (e) { $("offloaded").textContent = "failed: " + e.message; }
 }
