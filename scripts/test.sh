@@ -20,6 +20,15 @@ command -v cc >/dev/null || need_apt+=(build-essential)
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 python3 -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
+# The dashboard's browser tests (Node, Debian's Chromium) and the tray app (WebKitGTK, a tray
+# library, and Xvfb + D-Bus to start it headless).
+command -v node >/dev/null || need_apt+=(nodejs)
+command -v npm >/dev/null || need_apt+=(npm)
+command -v curl >/dev/null || need_apt+=(curl)
+[ -x /usr/bin/chromium ] || [ -n "${CHROMIUM:-}" ] || need_apt+=(chromium)
+for p in libwebkit2gtk-4.1-dev libayatana-appindicator3-dev librsvg2-dev xvfb xauth dbus; do
+  dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
+done
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
@@ -55,4 +64,28 @@ if [ -d tests/api ]; then
   cargo build -p capy-flash
   CAPY_BIN="$root/target/debug/capy-flash" "$venv/bin/python" -m pytest -q tests/api
 fi
+say "dashboard browser tests (Chromium + playwright-core against capy-flash serve --model demo)"
+browser=${CHROMIUM:-}
+if [ -z "$browser" ]; then
+  for b in /usr/bin/chromium /usr/bin/chromium-browser; do
+    # Ubuntu's chromium-browser is a snap launcher that does not run here: try each one.
+    if [ -x "$b" ] && "$b" --headless --no-sandbox --version >/dev/null 2>&1; then browser=$b; break; fi
+  done
+fi
+if [ -z "$browser" ]; then
+  echo "no working Chromium for the dashboard tests: on Debian apt-get install chromium;" >&2
+  echo "on Ubuntu (where chromium is a snap) install a Chromium build and set CHROMIUM=/path/to/it" >&2
+  exit 1
+fi
+echo "browser: $browser ($("$browser" --headless --no-sandbox --version 2>/dev/null))"
+npm ci --no-audit --no-fund --loglevel=error
+cargo build -p capy-flash
+CAPY_BIN="$root/target/debug/capy-flash" CHROMIUM="$browser" node --test tests/ui/
+echo "screenshots: $root/target/ui-screenshots/"
+
+say "tray app (src-tauri, its own workspace): format, build, smoke run under Xvfb + D-Bus"
+cargo fmt --manifest-path src-tauri/Cargo.toml -- --check
+cargo build --manifest-path src-tauri/Cargo.toml --locked
+bash src-tauri/tests/smoke.sh "$root/src-tauri/target/debug/capy-flash-app"
+
 say "all tests passed"

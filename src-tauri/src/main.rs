@@ -118,8 +118,9 @@ fn show_dashboard(app: &AppHandle) {
         .inner_size(1100.0, 900.0)
         .initialization_script(&script)
         .build();
-    if let Err(e) = built {
-        tracing::error!("cannot open the dashboard window: {e}");
+    match built {
+        Ok(_) => tracing::info!("dashboard window opened ({endpoint})"),
+        Err(e) => tracing::error!("cannot open the dashboard window: {e}"),
     }
 }
 

@@ -8,10 +8,11 @@ import fs from "node:fs";
 import os from "node:os";
 import path from "node:path";
 import net from "node:net";
+import { fileURLToPath } from "node:url";
 import { chromium } from "playwright-core";
 import { startHub, content } from "./hub.mjs";
 
-const root = path.resolve(import.meta.dirname, "../..");
+const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
 const bin = process.env.CAPY_BIN || path.join(root, "target/debug/capy-flash");
 const shots = path.join(root, "target/ui-screenshots");
 const browserPath = process.env.CHROMIUM || ["/usr/bin/chromium", "/usr/bin/chromium-browser"].find((p) => fs.existsSync(p));
