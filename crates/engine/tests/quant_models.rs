@@ -438,3 +438,60 @@ fn gguf_folder_without_config_is_opened_and_dtype_is_f32() {
         .unwrap();
     assert_eq!(t.dtype, DType::F32);
 }
+
+#[test]
+fn quantized_experts_stay_quantized_and_multiply_like_their_dequantized_values() {
+    use capy_engine::backend::cpu::experts::format::RowFormat;
+    use capy_engine::backend::cpu::matmul::{linear, CpuMatrix};
+    use capy_engine::model::layers::moe::load_expert_matrices;
+
+    // Gate and up are Q8_0 in the GGUF file, down BF16 (tools/make_q8_experts_fixture.py).
+    let (dir, _) = fixture("gguf_q8_experts_qwen4_exp");
+    let ck = Checkpoint::open(&dir).unwrap();
+    let moe = ck.config.qwen4_exp().unwrap().moe;
+    let (h, inter) = (ck.config.hidden_size, moe.moe_intermediate_size);
+    let b = CpuBackend::new();
+    let x: Vec<f32> = (0..3 * h)
+        .map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0)
+        .collect();
+    for layer in 0..ck.config.num_hidden_layers {
+        let p = format!("model.layers.{layer}.mlp.experts.");
+        let experts = load_expert_matrices(&b, &ck, &p, h, &moe).unwrap();
+        assert_eq!(experts.len(), moe.num_experts);
+        for (e, ex) in experts.iter().enumerate() {
+            assert_eq!(
+                ex.gate_up.quant_format(),
+                Some(RowFormat::Ggml(GgmlType::Q8_0)),
+                "{p}{e}: gate ‖ up must stay Q8_0"
+            );
+            // Stored size (34 bytes per 32 weights), not an f32 copy.
+            assert_eq!(ex.gate_up.bytes(), 2 * inter * (h / 32) * 34);
+            assert_eq!(ex.down.quant_format(), None, "{p}{e}: down is BF16");
+            let gate = ck.weights.get(&format!("{p}{e}.gate_proj.weight")).unwrap();
+            let up = ck.weights.get(&format!("{p}{e}.up_proj.weight")).unwrap();
+            let dequantized =
+                CpuMatrix::from_host(&HostTensor::concat_rows("gate_up", &[gate, up]).unwrap())
+                    .unwrap();
+            let (got, want) = (linear(&x, 3, &ex.gate_up), linear(&x, 3, &dequantized));
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{p}{e}: the quantized matmul differs from the dequantized one"
+            );
+        }
+    }
+    // The model built from it runs.
+    let mut m = model::load(CpuBackend::new(), &ck).unwrap();
+    let seq = m.new_sequence();
+    let l = m
+        .forward(&[BatchItem {
+            seq,
+            tokens: &[1, 2, 3, 4],
+            logits: LogitsWanted::All,
+        }])
+        .unwrap()
+        .remove(0);
+    assert_eq!(l.len(), 4 * m.info().vocab_size);
+    assert!(l.iter().all(|v| v.is_finite()));
+}

@@ -1,6 +1,7 @@
 //! Model definitions, one file per architecture, and the object-safe [`CausalLm`] interface the
 //! scheduler and the CLI drive them through.
 
+pub mod batch;
 pub mod layers;
 pub mod qwen3_5_text;
 pub mod qwen4_exp_text;

@@ -11,11 +11,12 @@
 //! - projections that read the same input are fused: GDN `in_proj_{qkv,z,b,a}` into one
 //!   matrix, MLP `gate_proj` and `up_proj` into one.
 
+use super::batch::BatchLayout;
 use super::layers::attention::{Attention, AttentionState};
 use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::mlp::Mlp;
-use super::layers::{tensor, text_prefix, vector, Span};
-use super::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId, SequenceTable, StateSnapshot};
+use super::layers::{tensor, text_prefix, vector};
+use super::{BatchItem, CausalLm, ModelInfo, SeqId, SequenceTable, StateSnapshot};
 use crate::backend::{Backend, NormScale};
 use crate::checkpoint::Checkpoint;
 use crate::config::{GateActivation, LayerType, TextConfig};
@@ -227,33 +228,14 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             return Ok(vec![]);
         }
         let b = &self.backend;
-        // Take the batch's states out of the table for the duration of the pass.
-        let mut states: Vec<SeqState<B>> = batch
-            .iter()
-            .map(|it| {
-                self.sequences
-                    .states
-                    .remove(&it.seq)
-                    .expect("checked above")
-            })
-            .collect();
-        let mut spans = Vec::with_capacity(batch.len());
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        for (item, st) in batch.iter().zip(&states) {
-            spans.push(Span {
-                start: ids.len(),
-                len: item.tokens.len(),
-                past: st.len,
-            });
-            ids.extend_from_slice(item.tokens);
-            positions.extend(st.len..st.len + item.tokens.len());
-        }
+        let mut states = self.sequences.take_batch(batch);
+        let layout = BatchLayout::new(batch, states.iter().map(|s| s.len));
+        let (spans, ids, positions) = (&layout.spans, &layout.ids, &layout.positions);
         let eps = self.config.rms_norm_eps as f32;
         let hsz = self.config.hidden_size;
 
         // 1. token embeddings
-        let mut x = b.embedding(&self.embed_tokens, &ids);
+        let mut x = b.embedding(&self.embed_tokens, ids);
         // 2. decoder layers
         for (li, layer) in self.layers.iter().enumerate() {
             let h = b.rms_norm(&x, &layer.input_layernorm, eps, NormScale::OnePlus, hsz);
@@ -268,7 +250,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                             }
                         })
                         .collect();
-                    gdn.forward(b, &h, &spans, &mut layer_states)
+                    gdn.forward(b, &h, spans, &mut layer_states)
                 }
                 Mixer::Full(attn) => {
                     let mut layer_states: Vec<&mut AttentionState<B>> = states
@@ -280,7 +262,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                             }
                         })
                         .collect();
-                    attn.forward(b, &h, &positions, &self.inv_freq, &spans, &mut layer_states)
+                    attn.forward(b, &h, positions, &self.inv_freq, spans, &mut layer_states)
                 }
             };
             b.add_assign(&mut x, &mixed);
@@ -295,16 +277,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             b.add_assign(&mut x, &m);
         }
         // 3. final norm and lm_head on the rows that need logits
-        let mut wanted = Vec::new();
-        for (item, span) in batch.iter().zip(&spans) {
-            match item.logits {
-                LogitsWanted::None => {}
-                LogitsWanted::Last => {
-                    wanted.push(b.rows(&x, span.start + span.len - 1..span.start + span.len))
-                }
-                LogitsWanted::All => wanted.push(b.rows(&x, span.rows())),
-            }
-        }
+        let wanted = layout.logit_rows(b, &x, batch);
         let logits = if wanted.is_empty() {
             vec![]
         } else {
@@ -318,21 +291,9 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             b.to_host(&b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
         };
         // 4. hand states back, split logits per item
-        let vocab = self.info.vocab_size;
-        let mut out = Vec::with_capacity(batch.len());
-        let mut offset = 0;
-        for ((item, mut st), span) in batch.iter().zip(states.drain(..)).zip(&spans) {
-            st.len += span.len;
-            self.sequences.states.insert(item.seq, st);
-            let rows = match item.logits {
-                LogitsWanted::None => 0,
-                LogitsWanted::Last => 1,
-                LogitsWanted::All => span.len,
-            };
-            out.push(logits[offset..offset + rows * vocab].to_vec());
-            offset += rows * vocab;
-        }
-        Ok(out)
+        self.sequences
+            .put_back(batch, states, &layout, |st, n| st.len += n);
+        Ok(layout.split_logits(batch, &logits, self.info.vocab_size))
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {

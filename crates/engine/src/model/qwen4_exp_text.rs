@@ -13,13 +13,14 @@
 //! the streams for `lm_head`. `mtp.*` (the multi-token-prediction layer) and vision tensors
 //! are left in the checkpoint unread.
 
+use super::batch::BatchLayout;
 use super::layers::attention::{Attention, AttentionState};
 use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::hyper::HyperConnection;
 use super::layers::moe::{ExpertLoader, SparseMoe};
 use super::layers::ple::{Ple, PleState};
 use super::layers::{tensor, text_prefix, Span};
-use super::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId, SequenceTable, StateSnapshot};
+use super::{BatchItem, CausalLm, ModelInfo, SeqId, SequenceTable, StateSnapshot};
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerType, Qwen4ExpConfig, TextConfig};
@@ -372,31 +373,13 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
             return Ok(vec![]);
         }
         let b = &self.backend;
-        let mut states: Vec<SeqState<B>> = batch
-            .iter()
-            .map(|it| {
-                self.sequences
-                    .states
-                    .remove(&it.seq)
-                    .expect("checked above")
-            })
-            .collect();
-        let mut spans = Vec::with_capacity(batch.len());
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        for (item, st) in batch.iter().zip(&states) {
-            spans.push(Span {
-                start: ids.len(),
-                len: item.tokens.len(),
-                past: st.len,
-            });
-            ids.extend_from_slice(item.tokens);
-            positions.extend(st.len..st.len + item.tokens.len());
-        }
+        let mut states = self.sequences.take_batch(batch);
+        let layout = BatchLayout::new(batch, states.iter().map(|s| s.len));
+        let (spans, ids, positions) = (&layout.spans, &layout.ids, &layout.positions);
         let (h, s) = (self.config.hidden_size, self.flash.hc_count);
 
         // 1. token embeddings, copied into every stream
-        let emb = b.to_host(&b.embedding(&self.embed_tokens, &ids));
+        let emb = b.to_host(&b.embedding(&self.embed_tokens, ids));
         let repeated: Vec<f32> = emb
             .chunks_exact(h)
             .flat_map(|row| (0..s).flat_map(move |_| row.iter().copied()))
@@ -409,24 +392,15 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
             streams = layer.forward(
                 b,
                 streams,
-                &ids,
-                &positions,
+                ids,
+                positions,
                 &self.inv_freq,
-                &spans,
+                spans,
                 &mut layer_states,
             );
         }
         // 3. final mixer and lm_head on the rows that need logits
-        let mut wanted = Vec::new();
-        for (item, span) in batch.iter().zip(&spans) {
-            match item.logits {
-                LogitsWanted::None => {}
-                LogitsWanted::Last => {
-                    wanted.push(b.rows(&streams, span.start + span.len - 1..span.start + span.len))
-                }
-                LogitsWanted::All => wanted.push(b.rows(&streams, span.rows())),
-            }
-        }
+        let wanted = layout.logit_rows(b, &streams, batch);
         let logits = if wanted.is_empty() {
             vec![]
         } else {
@@ -434,21 +408,9 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
             b.to_host(&b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
         };
         // 4. hand states back, split logits per item
-        let vocab = self.info.vocab_size;
-        let mut out = Vec::with_capacity(batch.len());
-        let mut offset = 0;
-        for ((item, mut st), span) in batch.iter().zip(states.drain(..)).zip(&spans) {
-            st.len += span.len;
-            self.sequences.states.insert(item.seq, st);
-            let rows = match item.logits {
-                LogitsWanted::None => 0,
-                LogitsWanted::Last => 1,
-                LogitsWanted::All => span.len,
-            };
-            out.push(logits[offset..offset + rows * vocab].to_vec());
-            offset += rows * vocab;
-        }
-        Ok(out)
+        self.sequences
+            .put_back(batch, states, &layout, |st, n| st.len += n);
+        Ok(layout.split_logits(batch, &logits, self.info.vocab_size))
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {

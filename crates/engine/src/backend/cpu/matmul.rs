@@ -2,6 +2,7 @@
 //! place (converted a few rows at a time into a per-thread f32 buffer) so a checkpoint's
 //! weights need no f32 copy in RAM.
 
+use super::experts::format::{dequantize_row, RowFormat};
 use super::simd;
 use crate::tensor::{Bytes, DType, HostTensor};
 use anyhow::{bail, Result};
@@ -15,6 +16,15 @@ enum Storage {
     F32Mapped(Bytes),
     BF16(Bytes),
     F16(Bytes),
+    /// Rows of whole blocks of a kernel row format, kept as stored (quantized experts and
+    /// matrices are never expanded to f32 in RAM); each row dequantized when it is read, then
+    /// scaled by its multiplier (NVFP4's `weight_scale_2`, 1 otherwise).
+    Quant {
+        format: RowFormat,
+        row_bytes: usize,
+        bytes: Vec<u8>,
+        multipliers: Vec<f32>,
+    },
 }
 
 /// A `[rows, cols]` weight matrix (rows = outputs).
@@ -72,10 +82,55 @@ impl CpuMatrix {
         }
     }
 
+    /// A matrix kept in `format`: `parts` are `(rows, blocks, multiplier)` stacked in order
+    /// (a fused gate ‖ up from two stored matrices), each `rows · format.row_bytes(cols)` bytes.
+    pub fn from_quant_parts(
+        format: RowFormat,
+        cols: usize,
+        parts: &[(usize, &[u8], f32)],
+    ) -> Result<Self> {
+        let row_bytes = format.row_bytes(cols)?;
+        let rows: usize = parts.iter().map(|p| p.0).sum();
+        let mut bytes = Vec::with_capacity(rows * row_bytes);
+        let mut multipliers = Vec::with_capacity(rows);
+        for &(r, blocks, m) in parts {
+            if blocks.len() != r * row_bytes {
+                bail!(
+                    "{} matrix part [{r}, {cols}]: expected {} bytes ({row_bytes} per row), found {}",
+                    format.name(),
+                    r * row_bytes,
+                    blocks.len()
+                );
+            }
+            bytes.extend_from_slice(blocks);
+            multipliers.extend(std::iter::repeat_n(m, r));
+        }
+        Ok(CpuMatrix {
+            rows,
+            cols,
+            storage: Storage::Quant {
+                format,
+                row_bytes,
+                bytes,
+                multipliers,
+            },
+        })
+    }
+
+    /// The row format of a matrix kept quantized; `None` for float storage.
+    pub fn quant_format(&self) -> Option<RowFormat> {
+        match &self.storage {
+            Storage::Quant { format, .. } => Some(*format),
+            _ => None,
+        }
+    }
+
+    /// Bytes of the stored weights (quantized matrices at their stored size).
     pub fn bytes(&self) -> usize {
         match &self.storage {
             Storage::F32(v) => v.len() * 4,
             Storage::F32Mapped(b) | Storage::BF16(b) | Storage::F16(b) => b.len(),
+            Storage::Quant { bytes, .. } => bytes.len(),
         }
     }
 
@@ -109,7 +164,27 @@ impl CpuMatrix {
     /// Row `r` as f32 into `out`.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         let c = self.cols;
-        if let Some(v) = self.f32_rows() {
+        if let Storage::Quant {
+            format,
+            row_bytes,
+            bytes,
+            multipliers,
+        } = &self.storage
+        {
+            // Bit-identical to the scalar dequantization `backend::dequantize_matrix` and the
+            // checkpoint readers use (tested per ISA), so a quantized matrix multiplies exactly
+            // like its f32 expansion.
+            dequantize_row(
+                simd::isa(),
+                *format,
+                &bytes[r * row_bytes..(r + 1) * row_bytes],
+                out,
+            );
+            let m = multipliers[r];
+            if m != 1.0 {
+                out.iter_mut().for_each(|v| *v *= m);
+            }
+        } else if let Some(v) = self.f32_rows() {
             out.copy_from_slice(&v[r * c..(r + 1) * c]);
         } else if let Some((u, bf)) = self.u16_rows() {
             if bf {

@@ -65,6 +65,17 @@ impl Backend for CpuBackend {
     fn matrix(&self, t: &HostTensor) -> Result<CpuMatrix> {
         CpuMatrix::from_host(t)
     }
+    /// Kept in its format (dequantized row by row inside the matmul), never expanded to f32.
+    fn quant_matrix(
+        &self,
+        format: experts::format::RowFormat,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+        multiplier: f32,
+    ) -> Result<CpuMatrix> {
+        CpuMatrix::from_quant_parts(format, cols, &[(rows, blocks, multiplier)])
+    }
     fn vector(&self, values: &[f32]) -> Result<Vec<f32>> {
         Ok(values.to_vec())
     }
