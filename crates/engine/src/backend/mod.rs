@@ -78,6 +78,26 @@ pub struct ExpertMatrices<M> {
     pub down: M,
 }
 
+/// Host memory page-locked for a backend's copies ([`Backend::pin_host`]); unpinned when
+/// dropped.
+pub struct HostPin {
+    bytes: usize,
+    _guard: Box<dyn Send + Sync>,
+}
+
+impl HostPin {
+    /// A pin of `bytes` bytes that `guard` undoes when dropped.
+    pub fn new(bytes: usize, guard: Box<dyn Send + Sync>) -> HostPin {
+        HostPin {
+            bytes,
+            _guard: guard,
+        }
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// Activations: `[rows, cols]` f32, row-major.
     type Act: Clone + Send + Sync;
@@ -111,6 +131,16 @@ pub trait Backend: Send + Sync + 'static {
             vec![rows, cols],
             &values,
         ))
+    }
+    /// Page-locks host memory the backend copies from often (the host expert store) so the
+    /// copies run as DMA at full link speed (CUDA: `cuMemHostRegister`). `Ok(None)` where the
+    /// backend gains nothing from it (the CPU backend).
+    ///
+    /// # Safety
+    /// `bytes` must stay allocated and in place until the returned pin is dropped.
+    unsafe fn pin_host(&self, bytes: &[u8]) -> Result<Option<HostPin>> {
+        let _ = bytes;
+        Ok(None)
     }
     // Takes `self` because the backend owns the device the activation is created on.
     #[allow(clippy::wrong_self_convention)]

@@ -16,7 +16,7 @@ use crate::backend::cpu::experts::{
     self, ExpertMatrix, ExpertPool, ExpertSet, ExpertShape, MoeScratch,
 };
 use crate::backend::cpu::simd::Isa;
-use crate::backend::{Backend, ExpertMatrices, MoeRouting};
+use crate::backend::{Backend, ExpertMatrices, HostPin, MoeRouting};
 use crate::model::layers::moe::RoutedExperts;
 use crate::tensor::HostTensor;
 use anyhow::{bail, Result};
@@ -43,6 +43,8 @@ struct Resident<M> {
 /// One MoE layer's routed experts, placed across the backend and the CPU.
 pub struct HybridExperts<B: Backend> {
     layer: usize,
+    /// The host store's page-locking; declared before `host` so it is undone first.
+    pin: Option<HostPin>,
     host: Arc<ExpertSet>,
     pool: Arc<ExpertPool>,
     isa: Isa,
@@ -131,12 +133,24 @@ impl<B: Backend> HybridExperts<B> {
         }
         Ok(HybridExperts {
             layer,
+            pin: None,
             host,
             pool,
             isa,
             placement,
             state: Mutex::new(state),
         })
+    }
+
+    /// Page-locks this layer's host expert records through the backend (copies into the
+    /// cache then run as DMA). Returns the bytes pinned: 0 where the backend does not pin.
+    pub fn pin_host_store(&mut self, b: &B) -> Result<usize> {
+        if self.pin.is_none() {
+            // SAFETY: `self.host` is an immutable `Arc`ed set: its allocation neither moves nor
+            // is freed while `self` holds it, and `self.pin` is dropped before `self.host`.
+            self.pin = unsafe { b.pin_host(self.host.as_bytes())? };
+        }
+        Ok(self.pin.as_ref().map_or(0, HostPin::bytes))
     }
 
     /// Experts with a resident copy now.

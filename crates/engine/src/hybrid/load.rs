@@ -31,8 +31,11 @@ pub struct HybridOptions {
     pub half_life_tokens: f32,
     /// A newcomer must beat the coldest resident expert by this fraction to replace it.
     pub admit_margin: f32,
-    /// A hot set saved by an earlier run ([`ExpertCache::save`]) to start warm from.
+    /// A hot set saved by an earlier run ([`ExpertCache::save_hot_set`]) to start warm from.
     pub hot_set: Option<PathBuf>,
+    /// Bytes the OS lets this process page-lock (WSL2 and Windows: about half of RAM; see
+    /// capy-hardware's probe); `None`: no cap known. Layers beyond it stay pageable.
+    pub page_locked_limit: Option<u64>,
 }
 
 impl Default for HybridOptions {
@@ -43,6 +46,7 @@ impl Default for HybridOptions {
             half_life_tokens: 256.0,
             admit_margin: 0.1,
             hot_set: None,
+            page_locked_limit: None,
         }
     }
 }
@@ -62,6 +66,30 @@ pub struct HybridReport {
     pub all_resident: bool,
     /// Row formats of the host store (gate/up, down), e.g. "nvfp4/nvfp4".
     pub formats: String,
+    /// Host store bytes page-locked for the GPU's copies, and those left pageable.
+    pub pinned_bytes: usize,
+    pub pageable_bytes: usize,
+    /// Why part of the store stayed pageable, with the numbers.
+    pub warning: Option<String>,
+}
+
+/// Which layers' stores to page-lock: in layer order while they fit under `limit`.
+pub fn plan_pins(layer_bytes: &[usize], limit: Option<u64>) -> Vec<bool> {
+    let mut left = limit.unwrap_or(u64::MAX);
+    layer_bytes
+        .iter()
+        .map(|&b| {
+            let fits = b as u64 <= left;
+            if fits {
+                left -= b as u64;
+            }
+            fits
+        })
+        .collect()
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 /// A Flash-Next model whose routed experts run hybrid.
@@ -139,6 +167,12 @@ pub fn load_flash_next<B: Backend>(
         Arc::new(Mutex::new(c))
     });
     let pool = Arc::new(ExpertPool::new(o.threads, false));
+    let pin_plan = plan_pins(
+        &sets.iter().map(|s| s.bytes()).collect::<Vec<_>>(),
+        o.page_locked_limit,
+    );
+    let mut pinned_bytes = 0usize;
+    let mut pin_error: Option<anyhow::Error> = None;
     let isa = Isa::detect();
     let report = HybridReport {
         moe_layers: layers,
@@ -148,13 +182,16 @@ pub fn load_flash_next<B: Backend>(
         cache_slots: cache_slots.min(layers * experts),
         all_resident,
         formats: format!("{}/{}", layout.format.name(), layout.down_format.name()),
+        pinned_bytes: 0,
+        pageable_bytes: 0,
+        warning: None,
     };
     let mut make = |device: &B, layer: usize, _prefix: &str| -> Result<Box<dyn RoutedExperts<B>>> {
         let placement = match &cache {
             Some(c) => Placement::Cached(c.clone()),
             None => Placement::Fixed(vec![true; experts]),
         };
-        let h = HybridExperts::new(
+        let mut h = HybridExperts::new(
             device,
             layer,
             sets[layer].clone(),
@@ -162,12 +199,60 @@ pub fn load_flash_next<B: Backend>(
             isa,
             placement,
         )?;
+        // After the first refusal the OS will refuse the rest too.
+        if pin_plan[layer] && pin_error.is_none() {
+            match h.pin_host_store(device) {
+                Ok(n) => pinned_bytes += n,
+                Err(e) => pin_error = Some(e),
+            }
+        }
         Ok(Box::new(h))
     };
     let model = Qwen4ExpText::load_with_experts(backend, ck, Some(&mut make))?;
+    let host_bytes: usize = sets.iter().map(|s| s.bytes()).sum();
+    let mut report = report;
+    report.pinned_bytes = pinned_bytes;
+    // Nothing pinned at all on a backend that does not pin (the CPU): nothing to warn about.
+    let pins_at_all = pinned_bytes > 0 || pin_error.is_some();
+    report.pageable_bytes = if pins_at_all {
+        host_bytes - pinned_bytes
+    } else {
+        0
+    };
+    report.warning = match (&pin_error, o.page_locked_limit) {
+        (Some(e), _) => Some(format!(
+            "{:.1} GiB of the {:.1} GiB expert store stay in pageable memory (slower copies into the expert cache): {e:#}",
+            gib(report.pageable_bytes as u64),
+            gib(host_bytes as u64)
+        )),
+        (None, Some(limit)) if pins_at_all && report.pageable_bytes > 0 => Some(format!(
+            "page-locked memory is capped at {:.1} GiB here (RLIMIT_MEMLOCK, or WSL2's half of RAM); {:.1} GiB of the {:.1} GiB expert store stay in pageable memory (slower copies into the expert cache)",
+            gib(limit),
+            gib(report.pageable_bytes as u64),
+            gib(host_bytes as u64)
+        )),
+        _ => None,
+    };
+    if let Some(w) = &report.warning {
+        tracing::warn!("{w}");
+    }
     Ok(HybridModel {
         model,
         cache,
         report,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pins_whole_layers_in_order_while_they_fit() {
+        assert_eq!(plan_pins(&[4, 4, 4], None), vec![true; 3]);
+        assert_eq!(plan_pins(&[4, 4, 4], Some(9)), vec![true, true, false]);
+        // A later, smaller layer still fits in what is left.
+        assert_eq!(plan_pins(&[4, 6, 2], Some(7)), vec![true, false, true]);
+        assert_eq!(plan_pins(&[4, 4], Some(0)), vec![false, false]);
+    }
 }

@@ -199,6 +199,11 @@ impl ExpertSet {
         self.data.len()
     }
 
+    /// Every record, as one allocation (page-locked as a whole by the hybrid store).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.data
+    }
+
     /// Fills every expert with random *valid* blocks (finite scales of a sensible size), as
     /// the bench and the tests need; deterministic in `seed`. Runs on rayon.
     pub fn randomize(&mut self, seed: u64) {
