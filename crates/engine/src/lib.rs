@@ -19,6 +19,7 @@ pub mod config;
 pub mod demo;
 pub mod hybrid;
 pub mod model;
+pub mod parallel;
 pub mod quant;
 pub mod sampling;
 pub mod scheduler;

@@ -1,0 +1,139 @@
+//! Tensor parallelism over N ranks (GPUs, or CPU threads on the CPU backend) without
+//! peer-to-peer: every rank holds a shard of each layer ([`shard`]), runs the layers on its own
+//! backend, and the two partial sums of each layer (after the mixer's output projection and
+//! after the MLP's down projection) are summed through page-locked host memory ([`exchange`]).
+//! The residual stream is replicated: every rank adds the same sums, in the same order.
+//!
+//! [`qwen3_5`] is the TP form of `qwen3_5_text`; [`load`] builds it from one backend per rank.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod exchange;
+pub mod qwen3_5;
+pub mod shard;
+
+use crate::backend::Backend;
+use crate::checkpoint::Checkpoint;
+use crate::config::Architecture;
+use crate::model::CausalLm;
+use anyhow::{bail, Result};
+use exchange::{HostMailbox, MailboxPort};
+use std::time::Duration;
+
+/// Token rows one mailbox slot holds per exchange; larger batches are summed in several
+/// exchanges of this size (every rank cuts them the same way).
+pub const MAILBOX_TOKENS: usize = 256;
+
+/// Sums one activation across the ranks, in place. One per rank.
+pub trait RankExchange<B: Backend>: Send {
+    fn all_reduce(&mut self, b: &B, x: &mut B::Act) -> Result<()>;
+    /// Fails every rank's exchange (a rank that hit an error calls this so the others stop).
+    fn abort(&self, reason: &str);
+}
+
+/// The exchange for any backend through host memory: copy to the host, sum in the mailbox,
+/// copy back. On CUDA this is the stream-ordered staged path (`to_host` waits for the
+/// stream); the CPU backend's activations are host memory already.
+pub struct HostExchange {
+    port: MailboxPort,
+    chunk: usize,
+}
+
+impl HostExchange {
+    /// One exchange per rank over a new heap mailbox for activations `hidden` wide.
+    pub fn for_ranks(ranks: usize, hidden: usize, timeout: Duration) -> Result<Vec<Self>> {
+        let chunk = MAILBOX_TOKENS * hidden;
+        let mb = HostMailbox::new(ranks, chunk, timeout)?;
+        (0..ranks)
+            .map(|r| {
+                Ok(HostExchange {
+                    port: mb.port(r)?,
+                    chunk,
+                })
+            })
+            .collect()
+    }
+    pub fn port(&self) -> &MailboxPort {
+        &self.port
+    }
+}
+
+impl<B: Backend> RankExchange<B> for HostExchange {
+    fn all_reduce(&mut self, b: &B, x: &mut B::Act) -> Result<()> {
+        let (rows, cols) = b.shape(x);
+        let mut host = b.to_host(x);
+        for part in host.chunks_mut(self.chunk) {
+            self.port.all_reduce_sum(part)?;
+        }
+        *x = b.from_host(rows, cols, &host);
+        Ok(())
+    }
+    fn abort(&self, reason: &str) {
+        self.port.mailbox().abort(self.port.rank(), reason);
+    }
+}
+
+/// Loads the model a checkpoint describes split over `backends.len()` ranks, exchanging
+/// through host memory with `timeout` per step.
+pub fn load<B: Backend>(
+    backends: Vec<B>,
+    ck: &Checkpoint,
+    timeout: Duration,
+) -> Result<Box<dyn CausalLm>> {
+    let ranks = backends.len();
+    match ck.config.architecture {
+        Architecture::Qwen3_5Text => {
+            let ex = HostExchange::for_ranks(ranks, ck.config.hidden_size, timeout)?;
+            let ex: Vec<Box<dyn RankExchange<B>>> = ex
+                .into_iter()
+                .map(|e| Box::new(e) as Box<dyn RankExchange<B>>)
+                .collect();
+            Ok(Box::new(qwen3_5::TpQwen3_5Text::load(backends, ex, ck)?))
+        }
+        Architecture::Qwen4ExpText => bail!(
+            "tensor parallelism (--tp {ranks}) is not implemented for qwen4_exp_text yet; the sharding plan for it exists (parallel::shard), the forward pass does not; run it with --tp 1"
+        ),
+    }
+}
+
+/// Where the ranks of `--tp N` run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TpDevices {
+    /// N rank threads on the CPU backend.
+    Cpu,
+    /// CUDA GPUs `0..N`, each with its own VRAM budget (`None`: the card's free memory).
+    Cuda { vram_budget: Option<u64> },
+}
+
+/// Loads `ck` over `ranks` ranks on `devices` (the `--tp` of `serve` and `bench`); the timeout
+/// of one exchange is [`exchange::DEFAULT_TIMEOUT`].
+pub fn load_tp(ck: &Checkpoint, ranks: usize, devices: &TpDevices) -> Result<Box<dyn CausalLm>> {
+    if ranks == 0 {
+        bail!("--tp must be at least 1");
+    }
+    match devices {
+        TpDevices::Cpu => load(
+            (0..ranks)
+                .map(|_| crate::backend::cpu::CpuBackend::new())
+                .collect(),
+            ck,
+            exchange::DEFAULT_TIMEOUT,
+        ),
+        #[cfg(feature = "cuda")]
+        TpDevices::Cuda { vram_budget } => {
+            cuda::check_gpus(ranks, cuda::gpu_count()?)?;
+            let backends = (0..ranks)
+                .map(|r| {
+                    crate::backend::cuda::CudaBackend::new(r, *vram_budget).map_err(|e| {
+                        anyhow::anyhow!("--tp {ranks}: cannot open GPU {r} for rank {r}: {e:#}")
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            load(backends, ck, exchange::DEFAULT_TIMEOUT)
+        }
+        #[cfg(not(feature = "cuda"))]
+        TpDevices::Cuda { .. } => {
+            bail!("--tp {ranks} on CUDA: this build has no CUDA backend (built without the cuda feature)")
+        }
+    }
+}
