@@ -24,7 +24,8 @@ def base_url():
     if not os.path.exists(binary):
         pytest.fail(f"server binary {binary} not found: build it (cargo build -p capy-flash) or set CAPY_BIN")
     port = _free_port()
-    proc = subprocess.Popen([binary, "serve", "--model", "demo", "--port", str(port), "--context", "2048"],
+    proc = subprocess.Popen([binary, "serve", "--model", "demo", "--backend", os.environ.get("CAPY_TEST_BACKEND", "cpu"),
+                             "--port", str(port), "--context", "2048"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300  # the first run generates the demo model

@@ -186,3 +186,104 @@ fn generate_with_the_moe_demo_model_is_deterministic_for_a_seed() {
     other[11] = "8";
     assert_ne!(run(&other).stdout, a.stdout);
 }
+
+#[test]
+fn backend_cpu_runs_and_bad_backend_flags_fail_cleanly() {
+    let out = run(&[
+        "generate",
+        "--model",
+        "demo",
+        "--backend",
+        "cpu",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("--backend auto"), "{err}");
+    let fixture = fixture();
+    let fixture = fixture.to_str().unwrap();
+    let out = run(&[
+        "score",
+        "--model",
+        fixture,
+        "--backend",
+        "cpu",
+        "--token-ids",
+        "1,2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_clean_failure(
+        &run(&[
+            "score",
+            "--model",
+            fixture,
+            "--backend",
+            "tpu",
+            "--token-ids",
+            "1",
+        ]),
+        "possible values: auto, cpu, cuda",
+    );
+    assert_clean_failure(
+        &run(&["serve", "--model", "demo", "--vram-budget", "15 parsecs"]),
+        "unknown size unit",
+    );
+}
+
+/// Without a CUDA driver (CI), `--backend cuda` is a clear error before anything is served, and
+/// `auto` runs on the CPU with a note saying why. (On a GPU machine there is nothing to check.)
+#[test]
+fn backend_cuda_without_a_driver_is_a_clear_error_and_auto_falls_back() {
+    if capy_engine::backend::cuda::driver_version().is_ok() {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let needle = "--backend cuda: no usable CUDA GPU: no CUDA driver found";
+    let generate = run(&[
+        "generate",
+        "--model",
+        "demo",
+        "--backend",
+        "cuda",
+        "--prompt",
+        "hi",
+    ]);
+    assert_clean_failure(&generate, needle);
+    assert_clean_failure(&generate, "Use --backend cpu");
+    // Port 9 (discard) is never bound: the error comes before the listener.
+    let serve = run(&[
+        "serve",
+        "--model",
+        "demo",
+        "--backend",
+        "cuda",
+        "--port",
+        "9",
+    ]);
+    assert_clean_failure(&serve, needle);
+    assert!(!String::from_utf8_lossy(&serve.stderr).contains("serving"));
+    let auto = run(&[
+        "generate",
+        "--model",
+        "demo",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    let err = String::from_utf8_lossy(&auto.stderr);
+    assert!(auto.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "note: --backend auto: running on the CPU, no usable CUDA GPU (no CUDA driver found"
+        ),
+        "{err}"
+    );
+}

@@ -1,5 +1,5 @@
-//! `capy-flash doctor` end to end: its numbers against /proc/meminfo, /proc/cpuinfo, `nproc`
-//! and (where present) `nvidia-smi`; the `serve` guard through `doctor --check`.
+//! `capy-flash doctor` end to end: its numbers against /proc/meminfo, /proc/cpuinfo, `lscpu`,
+//! `nproc` and (where present) `nvidia-smi`; the `serve` guard through `doctor --check`.
 
 use serde_json::Value;
 use std::process::Command;
@@ -95,6 +95,22 @@ fn doctor_json_reports_this_machines_true_numbers() {
         .map(|l| l.split(':').nth(1).unwrap().trim());
     if let Some(model) = model {
         assert_eq!(m["cpu"]["model"].as_str().unwrap(), model);
+    }
+    // Physical cores: the distinct (core, socket) pairs lscpu lists, where lscpu exists.
+    if let Ok(out) = Command::new("lscpu").arg("-p=Core,Socket").output() {
+        if out.status.success() {
+            let pairs: std::collections::BTreeSet<String> = String::from_utf8(out.stdout)
+                .unwrap()
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(str::to_string)
+                .collect();
+            assert_eq!(
+                m["cpu"]["physical_cores"].as_u64(),
+                Some(pairs.len() as u64),
+                "lscpu lists {pairs:?}"
+            );
+        }
     }
 
     // Page-locked limit: the soft RLIMIT_MEMLOCK of the child, as /proc/self/limits of a child shows it.

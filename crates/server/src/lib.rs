@@ -303,18 +303,16 @@ fn resident_bytes() -> u64 {
         .unwrap_or(0)
 }
 
-/// Loads a model folder and builds the state the router serves.
+/// Builds the state the router serves: `model` (already loaded on its backend) with the
+/// tokenizer and chat template of `model_dir`.
 pub fn load_state(
     model_dir: &std::path::Path,
+    model: Box<dyn capy_engine::model::CausalLm>,
     model_id: String,
     scheduler_config: capy_engine::scheduler::SchedulerConfig,
     config: ServerConfig,
 ) -> anyhow::Result<Arc<AppState>> {
-    use capy_engine::backend::cpu::CpuBackend;
-    use capy_engine::checkpoint::Checkpoint;
     let (tokenizer, template) = capy_engine::chat_template::load_tokenizer_and_template(model_dir)?;
-    let checkpoint = Checkpoint::open(model_dir)?;
-    let model = capy_engine::model::load(CpuBackend::new(), &checkpoint)?;
     let tokenizer = Arc::new(tokenizer);
     let scheduler =
         capy_engine::scheduler::Scheduler::start(model, tokenizer.clone(), scheduler_config);

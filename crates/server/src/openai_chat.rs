@@ -180,7 +180,8 @@ pub fn tool_choice(v: Option<&Value>) -> Result<ToolChoice, ApiError> {
     })
 }
 
-fn to_chat_request(r: ChatCompletionRequest) -> Result<(ChatRequest, bool), ApiError> {
+/// The shared request of a chat completion body, and whether usage is streamed.
+pub fn to_chat_request(r: ChatCompletionRequest) -> Result<(ChatRequest, bool), ApiError> {
     if r.n.unwrap_or(1) != 1 {
         return Err(ApiError::invalid(
             FLAVOR,

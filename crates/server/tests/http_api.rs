@@ -820,3 +820,93 @@ async fn thinking_budget_closes_thinking_early_in_every_api() {
         "{e}"
     );
 }
+
+/// A repeated conversation is resumed from the prefix cache, and each API reports the resumed
+/// prompt tokens in its own usage field (chat `prompt_tokens_details.cached_tokens`, Responses
+/// `input_tokens_details.cached_tokens`, Messages `cache_read_input_tokens` beside the
+/// uncached `input_tokens`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_reports_prefix_cache_hits_in_all_three_apis() {
+    use capy_engine::cache::{CacheConfig, CacheIdentity};
+    let mut cache = CacheConfig::new(CacheIdentity {
+        model_id: "scripted-model".into(),
+        format: "test".into(),
+    });
+    cache.block_tokens = 8;
+    cache.capture_every_blocks = 1;
+    cache.ram_bytes = 64 << 20;
+    let sched = SchedulerConfig {
+        prefix_cache: Some(cache),
+        ..SchedulerConfig::default()
+    };
+    let srv = start(
+        "Hello there.",
+        sched,
+        ServerConfig::default(),
+        Duration::ZERO,
+    )
+    .await;
+    let long = "the capybara is the largest living rodent ".repeat(12);
+
+    // (path, body, (uncached input, cached) from the usage object)
+    type Split = fn(&Value) -> (u64, u64);
+    let chat: Split = |u| {
+        let cached = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        (u["prompt_tokens"].as_u64().unwrap() - cached, cached)
+    };
+    let responses: Split = |u| {
+        let cached = u["input_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        (u["input_tokens"].as_u64().unwrap() - cached, cached)
+    };
+    let messages: Split = |u| {
+        (
+            u["input_tokens"].as_u64().unwrap(),
+            u["cache_read_input_tokens"].as_u64().unwrap(),
+        )
+    };
+    let cases: [(&str, Value, Split); 3] = [
+        (
+            "/v1/chat/completions",
+            json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": format!("chat {long}")}]}),
+            chat,
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "max_output_tokens": 4, "input": format!("responses {long}")}),
+            responses,
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": format!("messages {long}")}]}),
+            messages,
+        ),
+    ];
+    for (path, body, split) in cases {
+        let (status, first) = post(srv.addr, path, body.clone()).await;
+        assert_eq!(status, 200, "{path}: {first}");
+        let (uncached_1, cached_1) = split(&first["usage"]);
+        assert_eq!(
+            cached_1, 0,
+            "{path}: a new prompt has nothing cached: {first}"
+        );
+        let (status, second) = post(srv.addr, path, body).await;
+        assert_eq!(status, 200, "{path}: {second}");
+        let (uncached_2, cached_2) = split(&second["usage"]);
+        assert!(
+            cached_2 >= 8,
+            "{path}: the repeat should resume at least one block: {second}"
+        );
+        assert_eq!(
+            uncached_2 + cached_2,
+            uncached_1,
+            "{path}: the same prompt, split into cached and computed: {second}"
+        );
+    }
+    let (_, _, metrics) = request(srv.addr, "GET", "/metrics", &[], "").await;
+    assert!(
+        !metrics.contains("capy_prefix_cache_hits_total 0\n"),
+        "{metrics}"
+    );
+}

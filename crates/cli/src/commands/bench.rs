@@ -29,6 +29,8 @@ pub enum Kind {
     Gpu(super::bench_gpu::BenchGpuArgs),
     /// Flash-Next routed experts behind a VRAM expert cache, misses on the CPU.
     Hybrid(super::bench_hybrid::BenchHybridArgs),
+    /// Time to first token and decode tokens/s through the HTTP server vs the engine alone.
+    Http(super::bench_http::BenchHttpArgs),
 }
 
 #[derive(clap::Args)]
@@ -55,6 +57,7 @@ pub fn run(a: Args) -> Result<()> {
         Kind::CpuExperts(c) => super::bench_cpu_experts::run(c)?,
         Kind::Gpu(g) => super::bench_gpu::run(g)?,
         Kind::Hybrid(h) => super::bench_hybrid::run_bench(h)?,
+        Kind::Http(h) => super::bench_http::run(h)?,
     };
     let text = serde_json::to_string_pretty(&record)?;
     println!("{text}");

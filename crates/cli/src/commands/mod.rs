@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_cpu_experts;
 pub mod bench_gpu;
+pub mod bench_http;
 pub mod bench_hybrid;
 pub mod doctor;
 pub mod download;

@@ -1,6 +1,7 @@
-//! `--model DIR|demo|demo-moe`, shared by every subcommand that loads a model.
+//! `--model DIR|demo|demo-moe` and `--backend auto|cpu|cuda`, shared by every subcommand that
+//! loads a model.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use capy_engine::backend::cpu::CpuBackend;
 use capy_engine::chat_template::{load_tokenizer_and_template, ChatTemplate};
 use capy_engine::checkpoint::Checkpoint;
@@ -15,6 +16,70 @@ pub struct ModelArg {
     /// "demo-moe" (Flash-Next layout: sparse attention, MoE, hyper-connections, PLE).
     #[arg(long)]
     pub model: String,
+    #[command(flatten)]
+    pub backend: BackendArg,
+}
+
+/// Where the model runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// CUDA when a driver and a GPU are usable, else the CPU (with a note saying why).
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct BackendArg {
+    /// Where the model runs: auto (CUDA GPU 0 when a driver and a GPU are present, else the
+    /// CPU), cpu, or cuda (an error when no GPU is usable).
+    #[arg(long, value_enum, default_value_t = BackendKind::Auto)]
+    pub backend: BackendKind,
+    /// With CUDA: caps the bytes the engine allocates on the GPU (bytes, or a size such as
+    /// 15GiB, 16GB).
+    #[arg(long, value_parser = super::bench_gpu::parse_bytes)]
+    pub vram_budget: Option<u64>,
+}
+
+impl BackendArg {
+    /// Loads `ck` on the chosen backend; returns the model and the backend's name ("cpu",
+    /// "cuda"). `auto` falls back to the CPU only when the GPU cannot be opened; a model that
+    /// fails to load on an opened GPU is an error, not a silent CPU run.
+    pub fn load(&self, ck: &Checkpoint) -> Result<(Box<dyn CausalLm>, &'static str)> {
+        let cuda = match self.backend {
+            BackendKind::Cpu => None,
+            BackendKind::Cuda => Some(open_cuda(self.vram_budget).map_err(|e| {
+                anyhow::anyhow!(
+                    "--backend cuda: no usable CUDA GPU: {e:#}. Use --backend cpu (or auto) to run on the CPU"
+                )
+            })?),
+            BackendKind::Auto => match open_cuda(self.vram_budget) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    eprintln!("note: --backend auto: running on the CPU, no usable CUDA GPU ({e:#})");
+                    None
+                }
+            },
+        };
+        match cuda {
+            Some(backend) => {
+                let model = model::load(backend, ck).context("loading the model on the GPU")?;
+                Ok((model, "cuda"))
+            }
+            None => {
+                if self.vram_budget.is_some() {
+                    eprintln!("note: --vram-budget is ignored on the CPU backend");
+                }
+                Ok((model::load(CpuBackend::new(), ck)?, "cpu"))
+            }
+        }
+    }
+}
+
+fn open_cuda(vram_budget: Option<u64>) -> Result<capy_engine::backend::cuda::CudaBackend> {
+    let b = capy_engine::backend::cuda::CudaBackend::new(0, vram_budget)?;
+    eprintln!("capy-flash: running on CUDA device 0");
+    Ok(b)
 }
 
 /// A loaded model with its tokenizer and template (when the folder has them).
@@ -39,7 +104,7 @@ pub fn resolve(name: &str) -> Result<PathBuf> {
 pub fn open_model(arg: &ModelArg) -> Result<Loaded> {
     let dir = resolve(&arg.model)?;
     let ck = Checkpoint::open(&dir)?;
-    let model = model::load(CpuBackend::new(), &ck)?;
+    let (model, _) = arg.backend.load(&ck)?;
     // `ck.dir` is the folder (the parent of a `.gguf` file given as --model).
     let (tokenizer, template) = if ck.dir.join("tokenizer.json").exists() {
         let (t, tpl) = load_tokenizer_and_template(&ck.dir)?;

@@ -19,6 +19,8 @@ pub struct Args {
     /// A Hugging Face model folder, or "demo" for the built-in demo model.
     #[arg(long)]
     pub model: String,
+    #[command(flatten)]
+    pub backend: super::model_arg::BackendArg,
     /// Address to bind; anything but loopback needs --api-key.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
@@ -59,7 +61,7 @@ pub struct Args {
 
 /// The prefix cache's settings for the model in `dir`: disk entries are tied to the model's
 /// name and to a checksum of its config.json, so a changed checkpoint never resumes old states.
-fn prefix_cache_config(a: &Args, model_id: &str, dir: &Path) -> Option<CacheConfig> {
+fn prefix_cache_config(a: &Args, model_id: &str, dir: &Path, backend: &str) -> Option<CacheConfig> {
     if a.no_prefix_cache {
         return None;
     }
@@ -68,7 +70,8 @@ fn prefix_cache_config(a: &Args, model_id: &str, dir: &Path) -> Option<CacheConf
         .unwrap_or(0);
     let identity = CacheIdentity {
         model_id: format!("{model_id}:{config_sum:08x}"),
-        format: "cpu-f32".into(),
+        // States saved by one backend are not resumed by another.
+        format: format!("{backend}-f32"),
     };
     let mut c = CacheConfig::new(identity);
     c.ram_bytes = a.prefix_cache_ram as usize;
@@ -151,12 +154,15 @@ pub fn run(a: Args) -> Result<()> {
                 .unwrap_or_else(|| a.model.clone())
         }
     });
+    let checkpoint = capy_engine::checkpoint::Checkpoint::open(&dir)?;
+    let (model, backend) = a.backend.load(&checkpoint)?;
+    drop(checkpoint);
     let scheduler = SchedulerConfig {
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         prefill_chunk: a.prefill_chunk,
         max_context: a.context.unwrap_or(usize::MAX),
-        prefix_cache: prefix_cache_config(&a, &model_id, &dir),
+        prefix_cache: prefix_cache_config(&a, &model_id, &dir, backend),
     };
     let config = ServerConfig {
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
@@ -166,7 +172,7 @@ pub fn run(a: Args) -> Result<()> {
         ],
         ..Default::default()
     };
-    let state = capy_server::load_state(&dir, model_id.clone(), scheduler, config)?;
+    let state = capy_server::load_state(&dir, model, model_id.clone(), scheduler, config)?;
     let addr = SocketAddr::new(a.host, a.port);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -174,7 +180,7 @@ pub fn run(a: Args) -> Result<()> {
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}; is another server using the port? try --port"))?;
         let context = state.scheduler.config().max_context;
-        eprintln!("capy-flash: serving {model_id} (context {context}) on http://{addr}  (OpenAI: /v1/chat/completions, /v1/responses; Anthropic: /v1/messages)");
+        eprintln!("capy-flash: serving {model_id} on {backend} (context {context}) on http://{addr}  (OpenAI: /v1/chat/completions, /v1/responses; Anthropic: /v1/messages)");
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
         };
