@@ -76,41 +76,38 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
     }
 }
 
-#define CONV_MAX_TAPS 8
-
 // Depthwise causal conv + SiLU over one sequence: x [n, C], state [K-1, C] (previous inputs,
-// oldest first, updated), weight [C, K] (tap K-1 on the current input). One thread per channel.
-extern "C" __global__ void causal_conv1d_silu(const float* __restrict__ x, float* __restrict__ state, const void* __restrict__ w, int dt,
-                                              float* __restrict__ out, int n, int channels,
-                                              int taps) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= channels) return;
-    float wt[CONV_MAX_TAPS];
-    float hist[CONV_MAX_TAPS];
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_TAPS; j++) {
-        wt[j] = j < taps ? load_weight(w, dt, (u64)c * taps + j) : 0.0f;
-        hist[j] = j < taps - 1 ? state[(u64)j * channels + c] : 0.0f;
-    }
-    for (int t = 0; t < n; t++) {
-        float xv = x[(u64)t * channels + c];
+// oldest first), weight [C, K] (tap K-1 on the current input). The conv has no recurrence, so
+// every (token, channel) output is independent: a grid-stride loop over n·C reads its K inputs
+// from x or, before the sequence, from the state. Taps are summed in the CPU's order (oldest
+// first, the current input last). The state is updated afterwards by causal_conv1d_state.
+extern "C" __global__ void causal_conv1d_silu(const float* __restrict__ x, const float* __restrict__ state,
+                                              const void* __restrict__ w, int dt, float* __restrict__ out, int n,
+                                              int channels, int taps) {
+    const u64 total = (u64)n * channels;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const int t = (int)(i / channels);
+        const int c = (int)(i - (u64)t * channels);
         float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_TAPS - 1; j++)
-            if (j < taps - 1) acc += wt[j] * hist[j];
-        float last = 0.0f;
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_TAPS; j++)
-            if (j == taps - 1) last = wt[j];
-        acc += last * xv;
-        out[(u64)t * channels + c] = silu_f(acc);
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_TAPS - 1; j++) {
-            if (j < taps - 2) hist[j] = hist[j + 1];
-            else if (j == taps - 2) hist[j] = xv;
+        for (int j = 0; j < taps - 1; j++) {
+            const int s = t - (taps - 1) + j;  // input position; < 0: from the state
+            const float in = s >= 0 ? x[(u64)s * channels + c] : state[(u64)(taps - 1 + s) * channels + c];
+            acc += load_weight(w, dt, (u64)c * taps + j) * in;
         }
+        acc += load_weight(w, dt, (u64)c * taps + taps - 1) * x[i];
+        out[i] = silu_f(acc);
     }
-#pragma unroll
-    for (int j = 0; j < CONV_MAX_TAPS - 1; j++)
-        if (j < taps - 1) state[(u64)j * channels + c] = hist[j];
+}
+
+// After causal_conv1d_silu (stream order): state [K-1, C] ← the last K-1 inputs (state rows
+// then x rows). Row j takes input position n-(K-1)+j; rows read from the state come from a
+// higher row (j + n), so walking j upwards in one thread never reads an overwritten row.
+extern "C" __global__ void causal_conv1d_state(const float* __restrict__ x, float* state, int n, int channels,
+                                               int taps) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    for (int j = 0; j < taps - 1; j++) {
+        const int s = n - (taps - 1) + j;
+        state[(u64)j * channels + c] = s >= 0 ? x[(u64)s * channels + c] : state[(u64)(j + n) * channels + c];
+    }
 }

@@ -381,3 +381,45 @@ fn routed_experts_match_cpu() {
         }
     }
 }
+
+/// Quantized experts (the hybrid expert cache keeps its resident copies in their block
+/// format): the GPU must not read them as dense rows. Decode (one row) and a small batch.
+#[test]
+fn quantized_routed_experts_match_cpu() {
+    use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(11);
+    let (hidden, inter, count) = (512usize, 128usize, 12usize);
+    for (gate_fmt, down_fmt) in [("nvfp4", "nvfp4"), ("iq3_s", "q2_0"), ("q8_0", "q8_0")] {
+        let (fg, fd) = (
+            RowFormat::parse(gate_fmt).unwrap(),
+            RowFormat::parse(down_fmt).unwrap(),
+        );
+        let mut ec = Vec::new();
+        let mut eg = Vec::new();
+        for e in 0..count as u64 {
+            let gu = random_blocks(fg, 2 * inter * hidden / fg.block_len(), 100 + e);
+            let down = random_blocks(fd, hidden * inter / fd.block_len(), 200 + e);
+            let (mg, md) = (0.01, 0.02);
+            ec.push(ExpertMatrices {
+                gate_up: c.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
+                down: c.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
+            });
+            eg.push(ExpertMatrices {
+                gate_up: g.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
+                down: g.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
+            });
+        }
+        for n in [1usize, 5] {
+            let logits = r.vec(n * count, 2.0);
+            let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), 4, true);
+            let (xc, xg) = pair(&g, n, hidden, &r.vec(n * hidden, 1.0));
+            assert_close(
+                &g.to_host(&g.moe_experts(&xg, &routing, &eg)),
+                &c.moe_experts(&xc, &routing, &ec).data,
+                &format!("moe_experts {gate_fmt}/{down_fmt} {n} rows, {count} experts top 4, {hidden}x{inter}"),
+            );
+        }
+    }
+}

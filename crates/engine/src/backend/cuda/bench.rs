@@ -147,6 +147,22 @@ fn op_timings(
     let gdn_ms = b.time_ms(|| {
         drop(b.gated_delta_rule(&q, &k, &v, &g, &beta, &mut state, s, DeltaRuleMode::Chunked))
     })?;
+    let (q1, k1, v1) = (b.zeros(1, kd), b.zeros(1, kd), b.zeros(1, vd));
+    let (g1, beta1) = (b.zeros(1, s.num_v_heads), b.zeros(1, s.num_v_heads));
+    let gdn_decode_ms = b.time_ms(|| {
+        for _ in 0..10 {
+            drop(b.gated_delta_rule(
+                &q1,
+                &k1,
+                &v1,
+                &g1,
+                &beta1,
+                &mut state,
+                s,
+                DeltaRuleMode::Recurrent,
+            ))
+        }
+    })? / 10.0;
     let conv_dim = c.linear_conv_dim();
     let conv_w = HostTensor {
         name: "conv".into(),
@@ -158,6 +174,12 @@ fn op_timings(
     let xc = b.zeros(n, conv_dim);
     let mut conv_state = b.zeros(c.linear_conv_kernel_dim - 1, conv_dim);
     let conv_ms = b.time_ms(|| drop(b.causal_conv1d_silu(&xc, &mut conv_state, &conv_w)))?;
+    let xc1 = b.zeros(1, conv_dim);
+    let conv_decode_ms = b.time_ms(|| {
+        for _ in 0..10 {
+            drop(b.causal_conv1d_silu(&xc1, &mut conv_state, &conv_w))
+        }
+    })? / 10.0;
     let a = AttentionShape {
         num_heads: c.num_attention_heads,
         num_kv_heads: c.num_key_value_heads,
@@ -178,7 +200,9 @@ fn op_timings(
         "gate_up_matvec_ms": matvec_ms,
         "gate_up_matvec_bytes_per_s": w_bytes as f64 / (matvec_ms as f64 / 1e3),
         "gated_delta_rule_prefill_ms": gdn_ms,
+        "gated_delta_rule_decode_ms": gdn_decode_ms,
         "causal_conv_prefill_ms": conv_ms,
+        "causal_conv_decode_ms": conv_decode_ms,
         "attention_prefill_ms": attn_ms,
         "attention_decode_ms": attn_decode_ms,
     }))
@@ -270,7 +294,8 @@ pub fn plan_vram(
     let h = c.hidden_size;
     let per_token = 4 * (4 * c.intermediate_size + 2 * c.linear_conv_dim() + 8 * h);
     let workspace = (context * per_token) as u64
-        + (super::GDR_WORKSPACE_BYTES + (4 * super::SCRATCH_ELEMS * 4)) as u64;
+        + (super::GDR_WORKSPACE_BYTES + (4 * super::SCRATCH_ELEMS * 4)) as u64
+        + quant.map_or(0, |_| (super::QUANT_SCRATCH_ELEMS * 2) as u64);
     Ok(VramPlan {
         weights,
         kv,

@@ -513,9 +513,14 @@ impl CudaBackend {
         let mut filled = vec![0usize; n];
         let mut small: Vec<u64> = Vec::new();
         let mut big: Vec<(usize, usize, usize)> = Vec::new();
-        let uniform = experts
-            .iter()
-            .all(|e| e.gate_up.dtype == dtype && e.down.dtype == dtype);
+        // The grouped kernels read dense rows: quantized experts (block formats, e.g. the
+        // hybrid cache's NVFP4/IQ3_S copies) go through `linear`, which dequantizes in the matvec.
+        let uniform = experts.iter().all(|e| {
+            e.gate_up.dtype == dtype
+                && e.down.dtype == dtype
+                && e.gate_up.quant.is_none()
+                && e.down.quant.is_none()
+        });
         for (e, list) in per.iter().enumerate() {
             if list.is_empty() {
                 continue;

@@ -99,6 +99,7 @@ pub fn sources() -> Vec<KernelSource> {
                 "weight_to_f32",
                 "rope",
                 "causal_conv1d_silu",
+                "causal_conv1d_state",
             ]
             .map(String::from)
             .to_vec(),
