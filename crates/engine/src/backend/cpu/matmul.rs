@@ -330,4 +330,43 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn quantized_matrix_multiplies_exactly_like_its_dequantized_values() {
+        use crate::backend::cpu::experts::random_blocks;
+        use crate::backend::dequantize_matrix;
+        use crate::quant::GgmlType;
+        for (fmt, k) in [
+            (RowFormat::Nvfp4, 128),
+            (RowFormat::Fp8B128, 128),
+            (RowFormat::Ggml(GgmlType::Q8_0), 64),
+            (RowFormat::Ggml(GgmlType::Iq3S), 256),
+        ] {
+            // Two stacked parts with their own multipliers (a fused gate ‖ up).
+            let (r0, r1) = (3, 5);
+            let per_row = k / fmt.block_len();
+            let a = random_blocks(fmt, r0 * per_row, 1);
+            let b = random_blocks(fmt, r1 * per_row, 2);
+            let q = CpuMatrix::from_quant_parts(fmt, k, &[(r0, &a, 0.5), (r1, &b, 3.0)]).unwrap();
+            assert_eq!(q.quant_format(), Some(fmt));
+            assert_eq!(q.bytes(), a.len() + b.len());
+            let mut values = dequantize_matrix(fmt, r0, k, &a, 0.5).unwrap();
+            values.extend(dequantize_matrix(fmt, r1, k, &b, 3.0).unwrap());
+            let f = CpuMatrix::from_f32(r0 + r1, k, values);
+            let x = rand_vec(4 * k, 3);
+            let (got, want) = (linear(&x, 4, &q), linear(&x, 4, &f));
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "{}: quantized and dequantized matmuls differ",
+                fmt.name()
+            );
+        }
+        let e = CpuMatrix::from_quant_parts(RowFormat::Nvfp4, 64, &[(2, &[0u8; 10], 1.0)])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("expected") && e.contains("found 10"), "{e}");
+    }
 }
