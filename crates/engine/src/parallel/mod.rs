@@ -9,6 +9,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod exchange;
+pub mod experts;
 pub mod qwen3_5;
 pub mod shard;
 
