@@ -240,6 +240,10 @@ pub fn run(a: BenchHttpArgs) -> Result<Value> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "commit": super::bench::commit(),
         "machine": super::bench::machine(),
+        // Other work on the machine skews both paths; the 1/5/15-minute load at the end.
+        "load_average": std::fs::read_to_string("/proc/loadavg")
+            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default(),
         "model": model_id,
         "backend": backend,
         "build": if cfg!(debug_assertions) { "debug (opt-level 2)" } else { "release" },
