@@ -302,3 +302,54 @@ fn a_corrupted_disk_entry_is_recomputed_not_used() {
     let st = cached.cache().unwrap().lock().unwrap().status();
     assert_eq!(st.disk_rejected, n as u64);
 }
+
+#[test]
+fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
+    for name in MODELS {
+        let dir = tempfile::tempdir().unwrap();
+        let reference = scheduler(name, None);
+        let (a, a_answers) = conversation(&reference, 41, 2);
+        let (b, b_answers) = conversation(&reference, 42, 2);
+        // RAM for half of one first turn's entries (two boundary snapshots and the tip, the
+        // tip the largest): one tip fits, two do not, so b's turn pushes a's intermediates,
+        // then a's conversation itself, down to disk.
+        let probe = scheduler(name, Some(cache_config(name, None, 1 << 30)));
+        generate(&probe, &a.prompts[0], Some("probe"));
+        // The end-of-turn capture follows the Finished event: wait for it.
+        let t0 = std::time::Instant::now();
+        let one = loop {
+            let c = probe.cache().unwrap().lock().unwrap();
+            if c.entries_of("probe").last().map(|e| e.0) == Some(a.tips[0]) {
+                break c.ram_use();
+            }
+            drop(c);
+            assert!(
+                t0.elapsed().as_secs() < 20,
+                "{name}: the turn was not captured"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        let budget = one / 2;
+        let cached = scheduler(name, Some(cache_config(name, Some(dir.path()), budget)));
+        assert_eq!(generate(&cached, &a.prompts[0], Some("a")).0, a_answers[0]);
+        assert_eq!(generate(&cached, &b.prompts[0], Some("b")).0, b_answers[0]);
+        {
+            let c = cached.cache().unwrap().lock().unwrap();
+            assert!(c.ram_use() <= budget, "{name}: over the RAM budget");
+            let a_tiers = c.entries_of("a");
+            assert_eq!(
+                a_tiers.last(),
+                Some(&(a.tips[0], Tier::Disk)),
+                "{name}: a's conversation was not moved to disk: {a_tiers:?}"
+            );
+        }
+        // a returns: its turn resumes from disk and generates exactly the uncached tokens.
+        let (got, usage) = generate(&cached, &a.prompts[1], Some("a"));
+        assert_eq!(got, a_answers[1], "{name}: a resumed from disk");
+        assert_eq!(usage.cached_tokens, a.tips[0], "{name}");
+        let (got, usage) = generate(&cached, &b.prompts[1], Some("b"));
+        assert_eq!(got, b_answers[1], "{name}: b after a");
+        assert_eq!(usage.cached_tokens, b.tips[0], "{name}");
+        assert!(cached.cache().unwrap().lock().unwrap().ram_use() <= budget);
+    }
+}

@@ -568,19 +568,49 @@ fn dir_bytes(dir: &Path) -> u64 {
     bytes
 }
 
+/// The scheduler's prefix cache status (sessions with tier and size, budgets and use), or
+/// `null` when the server runs without a prefix cache.
+fn cache_status(state: &AppState) -> serde_json::Value {
+    match state.scheduler.cache() {
+        Some(c) => {
+            let st = c.lock().unwrap_or_else(|p| p.into_inner()).status();
+            serde_json::to_value(st).unwrap_or(serde_json::Value::Null)
+        }
+        None => serde_json::Value::Null,
+    }
+}
+
 async fn status(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let a = admin();
     let s = a.settings();
     let m = state.scheduler.metrics();
-    let sessions: Vec<_> = state
+    let cache = cache_status(&state);
+    let requests: BTreeMap<String, u64> = state
         .sessions
         .lock()
-        .map(|s| {
-            s.iter()
-                .map(|(id, n)| json!({"id": id, "requests": n}))
-                .collect()
-        })
+        .map(|s| s.iter().map(|(k, v)| (k.clone(), *v)).collect())
         .unwrap_or_default();
+    // The cache's sessions (tier, tokens, bytes), with the request count of those that came
+    // with a Claude Code session header; header sessions with nothing cached yet follow.
+    let mut sessions: Vec<serde_json::Value> = Vec::new();
+    let mut listed = std::collections::HashSet::new();
+    for s in cache["sessions"].as_array().into_iter().flatten() {
+        let mut s = s.clone();
+        if let Some(id) = s["id"].as_str() {
+            listed.insert(id.to_string());
+            s["requests"] = json!(requests.get(id));
+        }
+        sessions.push(s);
+    }
+    for (id, n) in &requests {
+        if !listed.contains(id) {
+            sessions.push(json!({"id": id, "requests": n, "tier": null, "tokens": 0, "bytes": 0}));
+        }
+    }
+    let disk = match state.scheduler.cache() {
+        Some(_) => cache["disk_offload"].clone(),
+        None => json!({"enabled": s.disk_offload, "dir": s.disk_offload_dir}),
+    };
     Json(json!({
         "state": "ready",
         "model": state.model_id,
@@ -588,9 +618,11 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
         "active_sequences": m.active_sequences.load(Ordering::Relaxed),
         "queue_depth": m.queue_depth.load(Ordering::Relaxed),
         "sessions": sessions,
-        "budgets": {"vram_gib": s.vram_budget_gib, "ram_gib": s.ram_budget_gib},
-        "disk_offload": {"enabled": s.disk_offload, "dir": s.disk_offload_dir,
-                          "bytes_offloaded": if s.disk_offload { dir_bytes(&s.disk_offload_dir) } else { 0 }},
+        "budgets": {"vram_gib": s.vram_budget_gib, "ram_gib": s.ram_budget_gib,
+                    "prefix_cache": cache.get("budgets")},
+        "use": {"prefix_cache": cache.get("use")},
+        "prefix_cache": cache,
+        "disk_offload": disk,
     }))
 }
 
@@ -600,7 +632,13 @@ struct OffloadBody {
     dir: Option<String>,
 }
 
-async fn disk_offload(Json(body): Json<OffloadBody>) -> Response {
+/// Switches the running scheduler's disk tier (and saves the choice in the settings). On:
+/// idle and evicted conversations move to `dir` (the saved folder when none is given) and the
+/// entries already there are found again; off: the cache keeps RAM only (files stay).
+async fn disk_offload(
+    State(state): State<Arc<AppState>>,
+    Json(body): Json<OffloadBody>,
+) -> Response {
     let a = admin();
     let mut s = a.settings();
     s.disk_offload = body.enabled;
@@ -622,13 +660,23 @@ async fn disk_offload(Json(body): Json<OffloadBody>) -> Response {
             ));
         }
     }
+    if let Some(c) = state.scheduler.cache() {
+        let dir = s.disk_offload.then_some(s.disk_offload_dir.as_path());
+        let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = c.set_disk(dir) {
+            return bad_request(format!("{e:#}"));
+        }
+    }
     if let Some(path) = &a.settings_path {
         if let Err(e) = s.save(path) {
             return bad_request(format!("cannot save {}: {e}", path.display()));
         }
     }
     *a.settings.lock().unwrap() = s.clone();
+    let cache = cache_status(&state);
     Json(json!({"enabled": s.disk_offload, "dir": s.disk_offload_dir,
-                "bytes_offloaded": if s.disk_offload { dir_bytes(&s.disk_offload_dir) } else { 0 }}))
+                "bytes_offloaded": if s.disk_offload { dir_bytes(&s.disk_offload_dir) } else { 0 },
+                "prefix_cache": cache.get("disk_offload"),
+                "applied_to_running_cache": state.scheduler.cache().is_some()}))
     .into_response()
 }

@@ -48,6 +48,9 @@ pub struct MessagesRequest {
     pub tool_choice: Option<Value>,
     #[serde(default)]
     pub thinking: Option<Value>,
+    /// `{"user_id"}`: the prefix cache's session key when no session header is sent.
+    #[serde(default)]
+    pub metadata: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -205,6 +208,7 @@ fn to_chat_request(r: MessagesRequest, for_counting: bool) -> Result<ChatRequest
         sampling,
         max_tokens,
         stop: r.stop_sequences.unwrap_or_default(),
+        cache_key: None,
     })
 }
 
@@ -226,7 +230,14 @@ pub async fn handle(
     record_session(&state, &headers);
     let req: MessagesRequest = parse_body(FLAVOR, body)?;
     let stream = req.stream;
-    let chat = to_chat_request(req, false)?;
+    let user_id = req
+        .metadata
+        .as_ref()
+        .and_then(|m| m.get("user_id"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let mut chat = to_chat_request(req, false)?;
+    chat.cache_key = normalize::session_key(&headers, &[user_id.as_deref()]);
     let generation = normalize::start(&state, chat, FLAVOR)?;
     let id = new_id("msg_");
     let model = state.model_id.clone();

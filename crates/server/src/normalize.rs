@@ -54,6 +54,24 @@ pub struct ChatRequest {
     pub sampling: SamplingParams,
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
+    /// The conversation this request continues, for the prefix cache's session affinity
+    /// ([`session_key`]); `None` leaves the match to the prompt's prefix.
+    pub cache_key: Option<String>,
+}
+
+/// The prefix cache's session key of a request: the `X-Claude-Code-Session-Id` header, else
+/// the API's own key (Responses `prompt_cache_key`, then `user`; Messages
+/// `metadata.user_id`; chat `user`), first non-empty wins.
+pub fn session_key(headers: &axum::http::HeaderMap, fields: &[Option<&str>]) -> Option<String> {
+    let header = headers
+        .get("x-claude-code-session-id")
+        .and_then(|v| v.to_str().ok());
+    std::iter::once(header)
+        .chain(fields.iter().copied())
+        .flatten()
+        .map(str::trim)
+        .find(|k| !k.is_empty())
+        .map(str::to_string)
 }
 
 /// A request ready for the scheduler.
@@ -334,7 +352,7 @@ pub fn prepare(state: &AppState, req: ChatRequest, flavor: Flavor) -> Result<Pre
                 strings: req.stop,
             },
             skip_special_tokens: true,
-            cache_key: None,
+            cache_key: req.cache_key,
             thinking_budget,
         },
         parser: ParserConfig {

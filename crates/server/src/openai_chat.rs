@@ -53,6 +53,9 @@ pub struct ChatCompletionRequest {
     /// `chat_template_kwargs.thinking_budget`).
     #[serde(default)]
     pub thinking_budget: Option<usize>,
+    /// The end user; the prefix cache's session key when no session header is sent.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -238,6 +241,7 @@ pub fn to_chat_request(r: ChatCompletionRequest) -> Result<(ChatRequest, bool), 
         FLAVOR,
     )?;
     let include_usage = r.stream_options.map(|o| o.include_usage).unwrap_or(false);
+    let cache_key = r.user;
     Ok((
         ChatRequest {
             messages,
@@ -249,6 +253,7 @@ pub fn to_chat_request(r: ChatCompletionRequest) -> Result<(ChatRequest, bool), 
             sampling: r.sampling.to_params(FLAVOR)?,
             max_tokens: r.max_completion_tokens.or(r.max_tokens),
             stop: r.stop.map(StopField::into_vec).unwrap_or_default(),
+            cache_key,
         },
         include_usage,
     ))
@@ -266,12 +271,14 @@ pub fn usage_json(u: &UsageReport) -> Value {
 
 pub async fn handle(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     AppState::count(&state.http.chat_completions);
     let req: ChatCompletionRequest = parse_body(FLAVOR, body)?;
     let stream = req.stream;
-    let (chat, include_usage) = to_chat_request(req)?;
+    let (mut chat, include_usage) = to_chat_request(req)?;
+    chat.cache_key = normalize::session_key(&headers, &[chat.cache_key.as_deref()]);
     let generation = normalize::start(&state, chat, FLAVOR)?;
     let id = new_id("chatcmpl-");
     let model = state.model_id.clone();

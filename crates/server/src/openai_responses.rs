@@ -41,6 +41,11 @@ pub struct ResponsesRequest {
     pub sampling: SamplingFields,
     #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// The prefix cache's session key (then `user`) when no session header is sent.
+    #[serde(default)]
+    pub prompt_cache_key: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 fn to_chat_request(r: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
@@ -179,6 +184,7 @@ fn to_chat_request(r: &ResponsesRequest) -> Result<ChatRequest, ApiError> {
         sampling: r.sampling.to_params(FLAVOR)?,
         max_tokens: r.max_output_tokens,
         stop: Vec::new(),
+        cache_key: None,
     })
 }
 
@@ -247,6 +253,7 @@ struct Meta {
 
 pub async fn handle(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     AppState::count(&state.http.responses);
@@ -257,7 +264,11 @@ pub async fn handle(
         temperature: req.sampling.temperature,
         top_p: req.sampling.top_p,
     };
-    let chat = to_chat_request(&req)?;
+    let mut chat = to_chat_request(&req)?;
+    chat.cache_key = normalize::session_key(
+        &headers,
+        &[req.prompt_cache_key.as_deref(), req.user.as_deref()],
+    );
     let generation = normalize::start(&state, chat, FLAVOR)?;
     let id = new_id("resp_");
     let model = state.model_id.clone();

@@ -31,14 +31,23 @@
 //! only give way to one another by recency. An entry larger than the whole RAM budget is not
 //! stored.
 //!
-//! The expert cache that follows the conversation (per-session routing heat, issue 8) hangs
-//! off [`SessionInfo::expert_heat`]: the scheduler has no hybrid expert cache to feed yet.
+//! Under RAM pressure with disk offload on, evicted entries (intermediate snapshots first,
+//! then sessions' deepest) are written to disk rather than dropped; the disk budget then
+//! deletes in the same order.
+//!
+//! **Expert heat.** Each session keeps the routing heat of its turns
+//! ([`SessionInfo::expert_heat`], merged by [`PrefixCache::merge_heat`] with the older turns
+//! halved), so that when the session becomes active again the scheduler can ask the model to
+//! prefetch its hot experts ([`crate::model::CausalLm::prefetch_experts`]). Heat lives with the
+//! session in RAM; it is not written to disk entries.
 
 pub mod disk;
 pub mod state;
 
 pub use disk::CacheIdentity;
 pub use state::{HostPart, HostReader, HostState};
+
+use crate::hybrid::expert_cache::HeatEntry;
 
 use anyhow::{Context, Result};
 use std::collections::HashMap;
@@ -104,11 +113,14 @@ struct Entry {
 #[derive(Debug, Clone, Default)]
 pub struct SessionInfo {
     pub last_used: f64,
-    /// Hook for the expert cache that follows the conversation (issue 8): per-expert routing
-    /// counts of this session, to prefetch its hot experts when it becomes active. Empty until
-    /// the hybrid expert cache exists.
-    pub expert_heat: Vec<u32>,
+    /// Routing heat of this session's turns (hottest first, at most [`MAX_HEAT_ENTRIES`]), to
+    /// prefetch its hot experts when it becomes active again. Empty for models without
+    /// routed experts.
+    pub expert_heat: Vec<HeatEntry>,
 }
+
+/// Experts of heat kept per session (all layers together).
+pub const MAX_HEAT_ENTRIES: usize = 4096;
 
 /// A resumable state found for a prompt.
 pub struct Hit {
@@ -135,6 +147,8 @@ pub struct SessionStatus {
     pub bytes: u64,
     pub entries: usize,
     pub last_used_s: f64,
+    /// Experts in the session's routing heat (0 without routed experts).
+    pub hot_experts: usize,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -636,10 +650,11 @@ impl PrefixCache {
 
     fn enforce_budgets(&mut self) {
         while self.ram_use > self.config.ram_bytes {
-            let Some((id, protected)) = self.victim(|e| e.ram.is_some()) else {
+            let Some((id, _)) = self.victim(|e| e.ram.is_some()) else {
                 break;
             };
-            if !(protected && self.demote(id)) {
+            // Move down a tier rather than drop (when disk offload is on).
+            if !self.demote(id) {
                 self.drop_from_ram(id);
             }
         }
@@ -751,6 +766,46 @@ impl PrefixCache {
         self.sessions.get_mut(session)
     }
 
+    /// Adds a turn's routing heat to the session's: older heat is halved (recent turns
+    /// matter more), scores of the same expert add, the hottest [`MAX_HEAT_ENTRIES`] stay.
+    pub fn merge_heat(&mut self, session: &str, turn: &[HeatEntry]) {
+        if turn.is_empty() {
+            return;
+        }
+        let info = self.sessions.entry(session.to_string()).or_default();
+        let mut by: HashMap<(u32, u32), f32> = info
+            .expert_heat
+            .iter()
+            .map(|h| ((h.layer, h.expert), h.score * 0.5))
+            .collect();
+        for h in turn {
+            *by.entry((h.layer, h.expert)).or_default() += h.score;
+        }
+        let mut v: Vec<HeatEntry> = by
+            .into_iter()
+            .map(|((layer, expert), score)| HeatEntry {
+                layer,
+                expert,
+                score,
+            })
+            .collect();
+        v.sort_by(|a, b| {
+            b.score
+                .total_cmp(&a.score)
+                .then((a.layer, a.expert).cmp(&(b.layer, b.expert)))
+        });
+        v.truncate(MAX_HEAT_ENTRIES);
+        info.expert_heat = v;
+    }
+
+    /// The session's routing heat (empty when it has none).
+    pub fn heat_of(&self, session: &str) -> Vec<HeatEntry> {
+        self.sessions
+            .get(session)
+            .map(|s| s.expert_heat.clone())
+            .unwrap_or_default()
+    }
+
     pub fn status(&self) -> CacheStatus {
         let now = unix_now();
         let mut sessions: Vec<SessionStatus> = self
@@ -778,6 +833,7 @@ impl PrefixCache {
                     bytes,
                     entries: mine.count(),
                     last_used_s: (now - info.last_used).max(0.0),
+                    hot_experts: info.expert_heat.len(),
                 })
             })
             .collect();

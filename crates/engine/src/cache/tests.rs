@@ -331,3 +331,47 @@ fn state_section_round_trips() {
     let enc = disk::encode_state(&s);
     assert!(disk::decode_state(&enc[..enc.len() - 1]).is_err());
 }
+
+#[test]
+fn ram_pressure_moves_intermediates_to_disk_instead_of_dropping_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let per = |n: usize| n * 8 * 4 + 2 * 4 + n * 4;
+    let t = toks(0..64);
+    let mut cfg = config(per(64) + per(32));
+    cfg.disk_dir = Some(dir.path().to_path_buf());
+    let mut c = PrefixCache::new(cfg).unwrap();
+    for n in [16, 32, 48, 64] {
+        c.insert("a", &t[..n], state_for(&t[..n], 8));
+        assert!(c.ram_use() <= per(64) + per(32));
+    }
+    // Nothing was dropped: what did not fit in RAM is on disk, the deepest stays in RAM.
+    let e = c.entries_of("a");
+    assert_eq!(e.len(), 4, "{e:?}");
+    assert_eq!(e.last(), Some(&(64, Tier::Ram)));
+    assert!(e.iter().any(|x| x.1 == Tier::Disk), "{e:?}");
+    // An intermediate resumes from disk, exactly.
+    let mut p = t[..20].to_vec();
+    p.extend([900, 901]);
+    let h = c.begin(&p, p.len() - 1, None).hit.unwrap();
+    assert_eq!(h.len, 16);
+    assert_eq!(*h.state, state_for(&t[..16], 8));
+}
+
+#[test]
+fn expert_heat_halves_older_turns_and_adds_the_new_one() {
+    use crate::hybrid::expert_cache::HeatEntry;
+    let mut c = PrefixCache::new(config(1 << 20)).unwrap();
+    let t = toks(0..8);
+    c.insert("a", &t, state_for(&t, 2));
+    let h = |expert: u32, score: f32| HeatEntry {
+        layer: 1,
+        expert,
+        score,
+    };
+    c.merge_heat("a", &[h(3, 4.0), h(5, 1.0)]);
+    c.merge_heat("a", &[h(5, 2.0), h(7, 1.0)]);
+    // 3: 4/2 = 2; 5: 1/2 + 2 = 2.5; 7: 1. Hottest first.
+    assert_eq!(c.heat_of("a"), vec![h(5, 2.5), h(3, 2.0), h(7, 1.0)]);
+    assert!(c.heat_of("b").is_empty());
+    assert_eq!(c.status().sessions[0].hot_experts, 3);
+}

@@ -84,6 +84,19 @@ pub trait CausalLm: Send {
         let _ = (seq, state);
         anyhow::bail!("this model cannot load sequence state from the host (no prefix cache)")
     }
+    /// The routed experts this sequence used, as heat (the expert cache that follows the
+    /// conversation keeps it with the session); `None` for models without routed experts or
+    /// without routing statistics.
+    fn routing_heat(&self, seq: SeqId) -> Option<Vec<crate::hybrid::expert_cache::HeatEntry>> {
+        let _ = seq;
+        None
+    }
+    /// A returning session's heat: bring its hot experts into VRAM before its prompt runs
+    /// (hybrid models: [`crate::hybrid::ExpertCache::warm`] and the copies it asks for).
+    /// Others ignore it.
+    fn prefetch_experts(&mut self, heat: &[crate::hybrid::expert_cache::HeatEntry]) {
+        let _ = heat;
+    }
 }
 
 /// Per-sequence states of one model, keyed by [`SeqId`].

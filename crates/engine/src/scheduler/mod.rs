@@ -10,7 +10,11 @@
 //! With a prefix cache ([`SchedulerConfig::prefix_cache`]) a request resumes from the deepest
 //! cached state of its prompt and prefills only the rest; prefill chunks then end on the
 //! cache's block boundaries so states can be captured there, and every finished turn is
-//! captured too (see [`crate::cache`]).
+//! captured too (see [`crate::cache`]). The cache's maintenance (idle sessions to disk) runs
+//! about once a second, busy or not. When a request's session differs from the last one
+//! admitted, the model is asked to prefetch that session's hot experts
+//! ([`CausalLm::prefetch_experts`]); at the end of each turn the sequence's routing heat
+//! ([`CausalLm::routing_heat`]) is merged into its session's.
 
 pub mod forced;
 pub mod scripted;
@@ -456,7 +460,17 @@ fn run_loop(
         let c = lock(c);
         (c.block_tokens(), c.config().capture_every_blocks)
     });
+    // The session admitted last (its experts are the warm ones).
+    let mut last_session: Option<String> = None;
+    let mut last_maintain = std::time::Instant::now();
     loop {
+        // Idle sessions move down a tier even while others keep the model busy.
+        if let Some(c) = cache {
+            if last_maintain.elapsed() >= MAINTAIN_EVERY {
+                lock(c).maintain();
+                last_maintain = std::time::Instant::now();
+            }
+        }
         // 1. Take new requests: block when idle, poll otherwise. While idle, the cache moves
         //    idle sessions down a tier.
         if active.is_empty() && waiting.is_empty() {
@@ -466,20 +480,16 @@ fn run_loop(
                 }
                 return;
             }
-            let idle_work = cache.is_some_and(|c| lock(c).has_idle_work());
-            let got = if idle_work {
-                rx.recv_timeout(std::time::Duration::from_secs(1))
+            // With a cache, wake up for its maintenance (disk offload may be switched on at
+            // run time, and sessions become idle while nothing arrives).
+            let got = if cache.is_some() {
+                rx.recv_timeout(MAINTAIN_EVERY)
             } else {
                 rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
             };
             match got {
                 Ok(p) => waiting.push_back(p),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Some(c) = cache {
-                        lock(c).maintain();
-                    }
-                    continue;
-                }
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     if let Some(c) = cache {
                         lock(c).flush_to_disk();
@@ -516,7 +526,7 @@ fn run_loop(
             stop_ids.extend(r.stop.token_ids.iter().copied());
             let seq = model.new_sequence();
             let (session, cached) = match cache {
-                Some(c) => resume(c, model.as_mut(), seq, &r, metrics),
+                Some(c) => resume(c, model.as_mut(), seq, &r, metrics, &mut last_session),
                 None => (None, 0),
             };
             active.push(Active {
@@ -703,6 +713,9 @@ fn model_vocab(model: &dyn CausalLm) -> usize {
     model.info().vocab_size
 }
 
+/// How often the prefix cache's maintenance runs.
+const MAINTAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn free_done(
     active: &mut Vec<Active<'_>>,
     model: &mut dyn CausalLm,
@@ -711,9 +724,12 @@ fn free_done(
 ) {
     active.retain(|a| {
         if a.done {
-            // The end of a turn: keep the state for the next one.
+            // The end of a turn: keep the state, and the experts it used, for the next one.
             if let (Some(c), false) = (cache, a.failed) {
                 capture(c, model, a, a.prefilled);
+                if let (Some(heat), Some(s)) = (model.routing_heat(a.seq), &a.session) {
+                    lock(c).merge_heat(s, &heat);
+                }
             }
             model.drop_sequence(a.seq);
         }
@@ -737,6 +753,7 @@ fn resume(
     seq: SeqId,
     r: &GenerationRequest,
     metrics: &SchedulerMetrics,
+    last_session: &mut Option<String>,
 ) -> (Option<String>, usize) {
     let mut c = lock(cache);
     let begin = c.begin(
@@ -744,6 +761,14 @@ fn resume(
         r.prompt_tokens.len() - 1,
         r.cache_key.as_deref(),
     );
+    // A session becoming active again: its hot experts first.
+    if last_session.as_deref() != Some(begin.session.as_str()) {
+        let heat = c.heat_of(&begin.session);
+        if !heat.is_empty() {
+            model.prefetch_experts(&heat);
+        }
+        *last_session = Some(begin.session.clone());
+    }
     let mut cached = 0;
     if let Some(hit) = begin.hit {
         match model.import_state(seq, &hit.state) {

@@ -11,8 +11,10 @@ use crate::model::{BatchItem, CausalLm, LogitsWanted, ModelInfo, SeqId, StateSna
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use crate::hybrid::expert_cache::HeatEntry;
 
 /// Observations tests make of a [`ScriptedLm`] from outside the scheduler thread.
 #[derive(Debug, Default)]
@@ -26,6 +28,8 @@ pub struct ScriptedStats {
     /// Largest number of tokens in one batch item.
     pub max_item_tokens: AtomicUsize,
     pub forward_calls: AtomicUsize,
+    /// Every heat passed to [`CausalLm::prefetch_experts`], in order.
+    pub prefetched: Mutex<Vec<Vec<HeatEntry>>>,
 }
 
 pub struct ScriptedLm {
@@ -37,6 +41,11 @@ pub struct ScriptedLm {
     /// Per sequence: (tokens in state, logits positions produced so far).
     seqs: HashMap<SeqId, (usize, usize)>,
     stats: Arc<ScriptedStats>,
+    /// Routed experts per layer, when the model pretends to be a MoE (see
+    /// [`ScriptedLm::with_experts`]).
+    experts: Option<(u32, u32)>,
+    /// Per sequence: how often each expert (index `token % experts`) was routed to.
+    routed: HashMap<SeqId, Vec<u32>>,
 }
 
 impl ScriptedLm {
@@ -61,7 +70,16 @@ impl ScriptedLm {
             next_id: 1,
             seqs: HashMap::new(),
             stats: Arc::default(),
+            experts: None,
+            routed: HashMap::new(),
         }
+    }
+
+    /// Pretends to route every computed token `t` to expert `t % experts` of each of `layers`
+    /// layers, so the expert heat that follows a session can be tested.
+    pub fn with_experts(mut self, layers: u32, experts: u32) -> Self {
+        self.experts = Some((layers, experts.max(1)));
+        self
     }
 
     /// Sleeps this long in every forward call (to make requests overlap in tests).
@@ -97,6 +115,7 @@ impl CausalLm for ScriptedLm {
 
     fn drop_sequence(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+        self.routed.remove(&seq);
         self.stats
             .live_sequences
             .store(self.seqs.len(), Ordering::Relaxed);
@@ -131,6 +150,15 @@ impl CausalLm for ScriptedLm {
                 );
             }
             state.0 += item.tokens.len();
+            if let Some((_, experts)) = self.experts {
+                let counts = self
+                    .routed
+                    .entry(item.seq)
+                    .or_insert_with(|| vec![0; experts as usize]);
+                for t in item.tokens {
+                    counts[(t % experts) as usize] += 1;
+                }
+            }
             let rows = match item.logits {
                 LogitsWanted::None => 0,
                 LogitsWanted::Last => 1,
@@ -189,5 +217,35 @@ impl CausalLm for ScriptedLm {
         }
         *slot = (len, 0);
         Ok(())
+    }
+
+    /// The experts this sequence's computed tokens routed to (resumed tokens were computed
+    /// by an earlier turn and counted there).
+    fn routing_heat(&self, seq: SeqId) -> Option<Vec<HeatEntry>> {
+        let (layers, _) = self.experts?;
+        let counts = self.routed.get(&seq)?;
+        Some(
+            (0..layers)
+                .flat_map(|layer| {
+                    counts
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &n)| n > 0)
+                        .map(move |(e, &n)| HeatEntry {
+                            layer,
+                            expert: e as u32,
+                            score: n as f32,
+                        })
+                })
+                .collect(),
+        )
+    }
+
+    fn prefetch_experts(&mut self, heat: &[HeatEntry]) {
+        self.stats
+            .prefetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(heat.to_vec());
     }
 }

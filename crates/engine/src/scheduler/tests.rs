@@ -367,3 +367,69 @@ fn the_thinking_budget_leaves_a_model_that_closes_in_time_alone_and_counts_towar
     assert_eq!(reason, FinishReason::MaxTokens);
     assert_eq!(usage.completion_tokens, 2);
 }
+
+fn session_request(prompt: Vec<u32>, session: &str) -> GenerationRequest {
+    GenerationRequest {
+        prompt_tokens: prompt,
+        cache_key: Some(session.into()),
+        // One token: it is never fed back, so the routing is the prompt's alone.
+        ..request(1, 1)
+    }
+}
+
+#[test]
+fn a_returning_session_gets_its_hot_experts_prefetched() {
+    let tok = tokenizer();
+    let script = tok.encode("ok", false).unwrap();
+    // 8 experts per layer; session a's prompt routes only to experts 0 and 1, b's to 4.
+    let lm = ScriptedLm::new(tok.vocab_size(), 4096, script, DEMO_IM_END_ID).with_experts(2, 8);
+    let stats = lm.stats();
+    let config = SchedulerConfig {
+        prefix_cache: Some(crate::cache::CacheConfig {
+            block_tokens: 4,
+            ..crate::cache::CacheConfig::new(crate::cache::CacheIdentity {
+                model_id: "scripted".into(),
+                format: "test".into(),
+            })
+        }),
+        ..Default::default()
+    };
+    let s = Scheduler::start(Box::new(lm), tok, config);
+    let a: Vec<u32> = (0..24).map(|i| 800 + i % 2).collect();
+    let b: Vec<u32> = vec![804; 20];
+    let prefetched = || stats.prefetched.lock().unwrap().clone();
+    collect(s.submit(session_request(a.clone(), "a")).unwrap());
+    // a's first turn: no heat yet, nothing to prefetch.
+    assert!(prefetched().is_empty());
+    let heat_a = s.cache().unwrap().lock().unwrap().heat_of("a");
+    let experts = |h: &[crate::hybrid::expert_cache::HeatEntry]| {
+        let mut v: Vec<(u32, u32)> = h.iter().map(|e| (e.layer, e.expert)).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(experts(&heat_a), vec![(0, 0), (0, 1), (1, 0), (1, 1)]);
+    collect(s.submit(session_request(b.clone(), "b")).unwrap());
+    let mut a2 = a.clone();
+    a2.extend([800, 801, 800]);
+    collect(s.submit(session_request(a2.clone(), "a")).unwrap());
+    // a came back after b: its heat (experts 0 and 1 of both layers) was prefetched.
+    let p = prefetched();
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(experts(&p[0]), experts(&heat_a));
+    // a again right away: its experts are the warm ones, no second prefetch.
+    let mut a3 = a2.clone();
+    a3.extend([801, 800]);
+    collect(s.submit(session_request(a3, "a")).unwrap());
+    assert_eq!(prefetched().len(), 1);
+    // b returns: b's own experts (4), not a's.
+    let mut b2 = b.clone();
+    b2.push(804);
+    collect(s.submit(session_request(b2, "b")).unwrap());
+    let p = prefetched();
+    assert_eq!(p.len(), 2);
+    assert_eq!(experts(&p[1]), vec![(0, 4), (1, 4)]);
+    // The session's heat accumulates over turns and shows in the status.
+    let st = s.cache().unwrap().lock().unwrap().status();
+    let sa = st.sessions.iter().find(|x| x.id == "a").unwrap();
+    assert_eq!(sa.hot_experts, 4);
+}
