@@ -287,3 +287,33 @@ fn backend_cuda_without_a_driver_is_a_clear_error_and_auto_falls_back() {
         "{err}"
     );
 }
+
+#[test]
+fn score_with_the_moe_demo_model_is_reproducible() {
+    let dir = tempfile::tempdir().unwrap();
+    let score = |name: &str| {
+        let npy = dir.path().join(name);
+        let out = run(&[
+            "score",
+            "--model",
+            "demo-moe",
+            "--text",
+            "Hello there, Flash-Next",
+            "--logits-out",
+            npy.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (json, std::fs::read(&npy).unwrap())
+    };
+    let (a, la) = score("a.npy");
+    let (b, lb) = score("b.npy");
+    assert!(a["tokens"].as_u64().unwrap() > 1, "{a}");
+    assert_eq!(a, b);
+    assert_eq!(la, lb);
+    assert_eq!(&la[..6], b"\x93NUMPY");
+}
