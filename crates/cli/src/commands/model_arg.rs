@@ -39,6 +39,10 @@ pub struct BackendArg {
     /// 15GiB, 16GB).
     #[arg(long, value_parser = super::bench_gpu::parse_bytes)]
     pub vram_budget: Option<u64>,
+    /// Tensor parallelism over N ranks: N GPUs with CUDA (each card with its own
+    /// --vram-budget; refused when fewer are visible), N rank threads on the CPU.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
 impl BackendArg {
@@ -46,6 +50,9 @@ impl BackendArg {
     /// "cuda"). `auto` falls back to the CPU only when the GPU cannot be opened; a model that
     /// fails to load on an opened GPU is an error, not a silent CPU run.
     pub fn load(&self, ck: &Checkpoint) -> Result<(Box<dyn CausalLm>, &'static str)> {
+        if self.tp != 1 {
+            return self.load_tp(ck);
+        }
         let cuda = match self.backend {
             BackendKind::Cpu => None,
             BackendKind::Cuda => Some(open_cuda(self.vram_budget).map_err(|e| {
@@ -73,6 +80,37 @@ impl BackendArg {
                 Ok((model::load(CpuBackend::new(), ck)?, "cpu"))
             }
         }
+    }
+}
+
+impl BackendArg {
+    /// `--tp N`: the model split over N GPUs or N CPU rank threads (`auto` takes the GPUs when
+    /// N of them are visible).
+    fn load_tp(&self, ck: &Checkpoint) -> Result<(Box<dyn CausalLm>, &'static str)> {
+        use capy_engine::parallel::{self, TpDevices};
+        let n = self.tp;
+        let cuda = TpDevices::Cuda {
+            vram_budget: self.vram_budget,
+        };
+        let (devices, name) = match self.backend {
+            BackendKind::Cpu => (TpDevices::Cpu, "cpu"),
+            BackendKind::Cuda => (cuda, "cuda"),
+            BackendKind::Auto => {
+                match parallel::cuda::gpu_count().and_then(|g| parallel::cuda::check_gpus(n, g)) {
+                    Ok(()) => (cuda, "cuda"),
+                    Err(e) => {
+                        eprintln!(
+                            "note: --backend auto --tp {n}: running {n} CPU rank threads ({e:#})"
+                        );
+                        (TpDevices::Cpu, "cpu")
+                    }
+                }
+            }
+        };
+        let model = parallel::load_tp(ck, n, &devices)
+            .with_context(|| format!("loading the model with --tp {n} on {name}"))?;
+        eprintln!("capy-flash: tensor parallel over {n} ranks ({name})");
+        Ok((model, name))
     }
 }
 

@@ -23,6 +23,8 @@ pub fn mailbox_kernels() -> KernelSource {
 
 /// GPUs the driver shows this process (after `CUDA_VISIBLE_DEVICES`).
 pub fn gpu_count() -> Result<usize> {
+    // Checks that a driver loads first (counting without one would panic inside cudarc).
+    crate::backend::cuda::driver_version()?;
     cudarc::driver::CudaContext::device_count()
         .map(|n| n as usize)
         .map_err(|e| anyhow::anyhow!("cannot count CUDA devices (cuDeviceGetCount): {e}"))
