@@ -49,6 +49,9 @@ pub struct CpuArgs {
     /// Decode steps timed after the prefill.
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// Tensor parallelism over N CPU rank threads (exchanging through the host mailbox).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -160,7 +163,11 @@ fn bench_cpu(a: CpuArgs) -> Result<Value> {
         bail!("--prompt-tokens and --decode-tokens must be positive");
     }
     let ck = Checkpoint::open(&dir)?;
-    let mut lm = model::load(CpuBackend::new(), &ck)?;
+    let mut lm = if a.tp == 1 {
+        model::load(CpuBackend::new(), &ck)?
+    } else {
+        capy_engine::parallel::load_tp(&ck, a.tp, &capy_engine::parallel::TpDevices::Cpu)?
+    };
     let info = lm.info().clone();
     let used = model::weight_use(&ck);
     let vocab = info.vocab_size as u32;
