@@ -4,8 +4,9 @@
 //! item.
 
 use super::layers::Span;
-use super::{BatchItem, LogitsWanted, SequenceTable};
+use super::{BatchItem, LogitsWanted, SeqId, SequenceTable, StateSnapshot};
 use crate::backend::Backend;
+use anyhow::{Context, Result};
 
 /// A batch as one block of rows: item `i` owns rows `spans[i].rows()`.
 pub struct BatchLayout {
@@ -111,10 +112,32 @@ impl<S> SequenceTable<S> {
     }
 }
 
+impl<S: Clone + 'static> SequenceTable<S> {
+    /// The state of `seq`, or an error naming it.
+    pub fn state(&self, seq: SeqId) -> Result<&S> {
+        self.states
+            .get(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))
+    }
+
+    /// Replaces the state of `seq` with a copy of the snapshot's (taken from this model).
+    pub fn restore_snapshot(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()> {
+        let st = snapshot
+            .data
+            .downcast_ref::<S>()
+            .context("snapshot was taken from a different model or backend")?;
+        let slot = self
+            .states
+            .get_mut(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        *slot = st.clone();
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::SeqId;
 
     #[test]
     fn lays_out_and_splits_per_item() {

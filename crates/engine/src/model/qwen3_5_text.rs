@@ -20,7 +20,7 @@ use super::{BatchItem, CausalLm, ModelInfo, SeqId, SequenceTable, StateSnapshot}
 use crate::backend::{Backend, NormScale};
 use crate::checkpoint::Checkpoint;
 use crate::config::{GateActivation, LayerType, TextConfig};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 // ---------------------------------------------------------------------------------------------
 // Decoder layer and model
@@ -297,11 +297,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {
-        let st = self
-            .sequences
-            .states
-            .get(&seq)
-            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let st = self.sequences.state(seq)?;
         let b = &self.backend;
         let bytes = st
             .layers
@@ -319,26 +315,12 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
     }
 
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()> {
-        let st = snapshot
-            .data
-            .downcast_ref::<SeqState<B>>()
-            .context("snapshot was taken from a different model or backend")?;
-        let slot = self
-            .sequences
-            .states
-            .get_mut(&seq)
-            .with_context(|| format!("sequence {seq:?} does not exist"))?;
-        *slot = st.clone();
-        Ok(())
+        self.sequences.restore_snapshot(seq, snapshot)
     }
 
     fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
         use crate::cache::state::{write_attention, write_linear};
-        let st = self
-            .sequences
-            .states
-            .get(&seq)
-            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let st = self.sequences.state(seq)?;
         let b = &self.backend;
         let mut out = crate::cache::HostState::new(st.len);
         for l in &st.layers {

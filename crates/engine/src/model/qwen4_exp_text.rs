@@ -414,11 +414,7 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {
-        let st = self
-            .sequences
-            .states
-            .get(&seq)
-            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let st = self.sequences.state(seq)?;
         let b = &self.backend;
         let bytes = st
             .layers
@@ -442,26 +438,12 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
     }
 
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()> {
-        let st = snapshot
-            .data
-            .downcast_ref::<SeqState<B>>()
-            .context("snapshot was taken from a different model or backend")?;
-        let slot = self
-            .sequences
-            .states
-            .get_mut(&seq)
-            .with_context(|| format!("sequence {seq:?} does not exist"))?;
-        *slot = st.clone();
-        Ok(())
+        self.sequences.restore_snapshot(seq, snapshot)
     }
 
     fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
         use crate::cache::state::{write_attention, write_linear, write_ple};
-        let st = self
-            .sequences
-            .states
-            .get(&seq)
-            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        let st = self.sequences.state(seq)?;
         let b = &self.backend;
         let mut out = crate::cache::HostState::new(st.len);
         for l in &st.layers {
