@@ -41,13 +41,19 @@ fn init_logging() -> tracing_appender::non_blocking::WorkerGuard {
     use tracing_subscriber::prelude::*;
     let dir = log_dir();
     let _ = std::fs::create_dir_all(&dir);
-    let (file, guard) =
-        tracing_appender::non_blocking(tracing_appender::rolling::daily(&dir, "capy-flash-app.log"));
+    let (file, guard) = tracing_appender::non_blocking(tracing_appender::rolling::daily(
+        &dir,
+        "capy-flash-app.log",
+    ));
     let filter = tracing_subscriber::EnvFilter::try_from_env("CAPY_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::registry()
         .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(file).with_ansi(false))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(file)
+                .with_ansi(false),
+        )
         .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
         .init();
     tracing::info!("logging to {}", dir.display());
@@ -74,7 +80,9 @@ fn parse_args() -> Result<Args, String> {
             "--model" => options.model = it.next().ok_or("--model needs a folder or \"demo\"")?,
             "--port" => {
                 let v = it.next().ok_or("--port needs a number")?;
-                options.port = v.parse().map_err(|_| format!("--port: {v:?} is not a port number"))?;
+                options.port = v
+                    .parse()
+                    .map_err(|_| format!("--port: {v:?} is not a port number"))?;
             }
             "--minimized" => minimized = true,
             other => {
@@ -112,7 +120,10 @@ fn show_dashboard(app: &AppHandle) {
     }
     let endpoint = app.state::<Arc<Server>>().options.endpoint();
     // app.js talks to window.CAPY_ENDPOINT when the page is not served by the server itself.
-    let script = format!("window.CAPY_ENDPOINT = {};", serde_json::to_string(&endpoint).unwrap());
+    let script = format!(
+        "window.CAPY_ENDPOINT = {};",
+        serde_json::to_string(&endpoint).unwrap()
+    );
     let built = WebviewWindowBuilder::new(app, "main", WebviewUrl::App("index.html".into()))
         .title("Capy Flash")
         .inner_size(1100.0, 900.0)
@@ -158,12 +169,21 @@ fn main() {
             let copy = MenuItem::with_id(app, "copy", "Copy endpoint URL", true, None::<&str>)?;
             let open = MenuItem::with_id(app, "open", "Open dashboard", true, None::<&str>)?;
             let autostart_on = app.autolaunch().is_enabled().unwrap_or(false);
-            let login =
-                CheckMenuItem::with_id(app, "autostart", "Start at login", true, autostart_on, None::<&str>)?;
+            let login = CheckMenuItem::with_id(
+                app,
+                "autostart",
+                "Start at login",
+                true,
+                autostart_on,
+                None::<&str>,
+            )?;
             let quit = MenuItem::with_id(app, "quit", "Quit", true, None::<&str>)?;
             let sep = PredefinedMenuItem::separator(app)?;
             let sep2 = PredefinedMenuItem::separator(app)?;
-            let menu = Menu::with_items(app, &[&start, &stop, &sep, &copy, &open, &sep2, &login, &quit])?;
+            let menu = Menu::with_items(
+                app,
+                &[&start, &stop, &sep, &copy, &open, &sep2, &login, &quit],
+            )?;
             TrayIconBuilder::with_id(TRAY)
                 .icon(Image::from_bytes(ICON_STOPPED)?)
                 .tooltip("Capy Flash")
@@ -233,7 +253,9 @@ fn main() {
     };
     app.run(|app, event| match event {
         // No window left is not a reason to quit: the tray stays.
-        RunEvent::ExitRequested { code: None, api, .. } => api.prevent_exit(),
+        RunEvent::ExitRequested {
+            code: None, api, ..
+        } => api.prevent_exit(),
         RunEvent::Exit => {
             tracing::info!("quitting: stopping the server");
             app.state::<Arc<Server>>().stop();

@@ -3,8 +3,8 @@
 //! drives the tray icon.
 
 use anyhow::Context;
-use capy_engine::scheduler::SchedulerConfig;
-use capy_server::ServerConfig;
+use capy_engine::scheduler::{Scheduler, SchedulerConfig};
+use capy_server::{AppState, ServerConfig};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
@@ -66,10 +66,6 @@ impl Server {
         }
     }
 
-    pub fn state(&self) -> State {
-        self.state.lock().unwrap().clone()
-    }
-
     fn set(state: &Mutex<State>, on_change: &OnChange, s: State) {
         tracing::info!(state = %s.label(), "server state");
         *state.lock().unwrap() = s.clone();
@@ -88,8 +84,11 @@ impl Server {
             let _ = r.thread.join();
         }
         let (stop, stopped) = oneshot::channel();
-        let (options, state, on_change) =
-            (self.options.clone(), self.state.clone(), self.on_change.clone());
+        let (options, state, on_change) = (
+            self.options.clone(),
+            self.state.clone(),
+            self.on_change.clone(),
+        );
         Server::set(&state, &on_change, State::Loading);
         let thread = std::thread::Builder::new()
             .name("capy-server".into())
@@ -118,7 +117,28 @@ impl Server {
     }
 }
 
-fn run(options: &Options, stopped: oneshot::Receiver<()>, ready: impl FnOnce()) -> anyhow::Result<()> {
+/// The model on the CPU backend, its tokenizer and chat template, and the scheduler over them.
+fn load(
+    dir: &std::path::Path,
+    model_id: String,
+    config: ServerConfig,
+) -> anyhow::Result<Arc<AppState>> {
+    let (tokenizer, template) = capy_engine::chat_template::load_tokenizer_and_template(dir)?;
+    let checkpoint = capy_engine::checkpoint::Checkpoint::open(dir)?;
+    let model =
+        capy_engine::model::load(capy_engine::backend::cpu::CpuBackend::new(), &checkpoint)?;
+    let tokenizer = Arc::new(tokenizer);
+    let scheduler = Scheduler::start(model, tokenizer.clone(), SchedulerConfig::default());
+    Ok(Arc::new(AppState::new(
+        scheduler, tokenizer, template, model_id, config,
+    )))
+}
+
+fn run(
+    options: &Options,
+    stopped: oneshot::Receiver<()>,
+    ready: impl FnOnce(),
+) -> anyhow::Result<()> {
     let dir = if capy_engine::demo::is_demo_name(&options.model) {
         capy_engine::demo::ensure_demo_model(&options.model)?
     } else {
@@ -151,7 +171,7 @@ fn run(options: &Options, stopped: oneshot::Receiver<()>, ready: impl FnOnce()) 
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(addr))
         .with_context(|| format!("cannot listen on {addr}; is another server using the port? change the port in the dashboard's settings"))?;
-    let state = capy_server::load_state(&dir, model_id.clone(), SchedulerConfig::default(), config)
+    let state = load(&dir, model_id.clone(), config)
         .with_context(|| format!("loading {}", dir.display()))?;
     tracing::info!("serving {model_id} on http://{addr}");
     ready();
