@@ -43,6 +43,14 @@ pub struct BackendArg {
     /// --vram-budget; refused when fewer are visible), N rank threads on the CPU.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Flash-Next on CUDA: VRAM for the routed-expert cache (the other experts stay in host RAM
+    /// and run on the CPU). Default with --vram-budget: what the budget leaves after the dense
+    /// weights and --vram-reserve; without either, every expert is put on the GPU.
+    #[arg(long, value_parser = super::bench_gpu::parse_bytes)]
+    pub expert_cache: Option<u64>,
+    /// Flash-Next on CUDA with --vram-budget: VRAM held back for KV, states and activations.
+    #[arg(long, default_value = "2GiB", value_parser = super::bench_gpu::parse_bytes)]
+    pub vram_reserve: u64,
 }
 
 impl BackendArg {
@@ -69,6 +77,9 @@ impl BackendArg {
             },
         };
         match cuda {
+            Some(backend) if ck.config.qwen4_exp().is_ok() && self.hybrid_wanted() => {
+                Ok((self.load_hybrid(backend, ck)?, "cuda"))
+            }
             Some(backend) => {
                 let model = model::load(backend, ck).context("loading the model on the GPU")?;
                 Ok((model, "cuda"))
@@ -84,6 +95,58 @@ impl BackendArg {
 }
 
 impl BackendArg {
+    fn hybrid_wanted(&self) -> bool {
+        self.expert_cache.is_some() || self.vram_budget.is_some()
+    }
+
+    /// Flash-Next with hybrid experts: dense weights and an expert cache on the GPU, the
+    /// routed experts in page-locked host RAM computed on the CPU when not cached.
+    fn load_hybrid(
+        &self,
+        backend: capy_engine::backend::cuda::CudaBackend,
+        ck: &Checkpoint,
+    ) -> Result<Box<dyn CausalLm>> {
+        use capy_engine::hybrid::{load::vram_plan, load_flash_next, HybridOptions};
+        let cache_bytes = match (self.expert_cache, self.vram_budget) {
+            (Some(bytes), _) => bytes,
+            (None, Some(budget)) => {
+                let plan = vram_plan(ck, budget, self.vram_reserve)?;
+                eprintln!(
+                    "capy-flash: VRAM plan (GiB): budget {:.2} = dense weights {:.2} + reserve {:.2} + expert cache {:.2}",
+                    gib(plan.budget),
+                    gib(plan.dense_bytes),
+                    gib(plan.reserve),
+                    gib(plan.cache_bytes)
+                );
+                plan.cache_bytes
+            }
+            (None, None) => unreachable!("hybrid_wanted"),
+        };
+        let machine = capy_hardware::probe::probe();
+        let o = HybridOptions {
+            cache_bytes: cache_bytes as usize,
+            page_locked_limit: Some(machine.page_locked.cap_bytes),
+            ..Default::default()
+        };
+        let h =
+            load_flash_next(backend, ck, &o).context("loading Flash-Next with hybrid experts")?;
+        let r = &h.report;
+        eprintln!(
+            "capy-flash: hybrid experts: {} layers × {} experts ({}), host store {:.2} GiB ({:.2} GiB page-locked), expert cache {} slots{}",
+            r.moe_layers,
+            r.experts_per_layer,
+            r.formats,
+            gib(r.host_bytes as u64),
+            gib(r.pinned_bytes as u64),
+            r.cache_slots,
+            if r.all_resident { " (every expert resident)" } else { "" }
+        );
+        if let Some(w) = &r.warning {
+            eprintln!("warning: {w}");
+        }
+        Ok(Box::new(h.model))
+    }
+
     /// `--tp N`: the model split over N GPUs or N CPU rank threads (`auto` takes the GPUs when
     /// N of them are visible).
     fn load_tp(&self, ck: &Checkpoint) -> Result<(Box<dyn CausalLm>, &'static str)> {
@@ -156,4 +219,8 @@ pub fn open_model(arg: &ModelArg) -> Result<Loaded> {
         tokenizer,
         template,
     })
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }

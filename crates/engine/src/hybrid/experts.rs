@@ -38,6 +38,9 @@ struct Resident<M> {
     scratch: Option<MoeScratch>,
     /// Routed pairs the scratch was sized for.
     scratch_pairs: usize,
+    /// The backend refused a copy (its memory budget is full): no more copies are tried, the
+    /// rest of this layer's experts run on the host.
+    upload_refused: bool,
 }
 
 /// One MoE layer's routed experts, placed across the backend and the CPU.
@@ -105,6 +108,7 @@ impl<B: Backend> HybridExperts<B> {
             slot_of: vec![None; host.experts],
             scratch: None,
             scratch_pairs: 0,
+            upload_refused: false,
         };
         let resident: Vec<usize> = match &placement {
             Placement::Fixed(resident) => {
@@ -256,11 +260,24 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
 
         // 4. Copy in what the cache admitted (used from the next step).
         for e in admit {
-            if st.slot_of[e as usize].is_none() {
-                let m = upload(b, &self.host, e as usize).expect("uploading an expert");
-                st.slot_of[e as usize] = Some(st.slots.len() as u32);
-                st.slots.push(m);
-                st.slot_expert.push(e);
+            if st.upload_refused || st.slot_of[e as usize].is_some() {
+                continue;
+            }
+            match upload(b, &self.host, e as usize) {
+                Ok(m) => {
+                    st.slot_of[e as usize] = Some(st.slots.len() as u32);
+                    st.slots.push(m);
+                    st.slot_expert.push(e);
+                }
+                Err(err) => {
+                    // Correct either way (the expert runs on the host); only slower.
+                    tracing::warn!(
+                        "layer {}: expert cache copies stop at {} resident experts: {err:#}",
+                        self.layer,
+                        st.slots.len()
+                    );
+                    st.upload_refused = true;
+                }
             }
         }
         out

@@ -116,6 +116,51 @@ pub fn host_expert_set(ck: &Checkpoint, prefix: &str) -> Result<ExpertSet> {
     pack_float_experts(&tensors).with_context(|| format!("packing the routed experts {prefix}*"))
 }
 
+/// How a VRAM budget divides for hybrid Flash-Next: what the dense weights take as stored
+/// (everything but the routed experts, the n-gram tables read from host memory, and the
+/// tensors no text forward reads), what is held back for KV, states and activations, and the
+/// rest for the expert cache.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct VramPlan {
+    pub budget: u64,
+    pub dense_bytes: u64,
+    pub reserve: u64,
+    pub cache_bytes: u64,
+}
+
+pub fn vram_plan(ck: &Checkpoint, budget: u64, reserve: u64) -> Result<VramPlan> {
+    let store = ck.weights.store();
+    let mut dense = 0u64;
+    for name in ck.weights.names() {
+        if name.contains(".mlp.experts.")
+            || name.contains("ngram_embedding.")
+            || crate::model::is_unused_tensor(name)
+        {
+            continue;
+        }
+        let t = if store.contains(name) {
+            store.get(name)
+        } else {
+            ck.weights.get(name)
+        }?;
+        dense += t.data.len() as u64;
+    }
+    if dense + reserve > budget {
+        anyhow::bail!(
+            "the VRAM budget of {:.1} GiB cannot hold the dense weights ({:.1} GiB as stored) and the {:.1} GiB held back for KV, states and activations; raise --vram-budget or use a smaller quantization",
+            gib(budget),
+            gib(dense),
+            gib(reserve)
+        );
+    }
+    Ok(VramPlan {
+        budget,
+        dense_bytes: dense,
+        reserve,
+        cache_bytes: budget - dense - reserve,
+    })
+}
+
 /// The model name a hot set is saved under: the checkpoint folder's name.
 pub fn hot_set_model_id(ck: &Checkpoint) -> String {
     ck.dir
