@@ -31,6 +31,9 @@ pub enum Kind {
     Hybrid(super::bench_hybrid::BenchHybridArgs),
     /// Time to first token and decode tokens/s through the HTTP server vs the engine alone.
     Http(super::bench_http::BenchHttpArgs),
+    /// A 20-turn coding-agent session interleaved with a second one through the HTTP API:
+    /// per-turn time to first token with the prefix cache on and off, resume from RAM/disk.
+    AgentReplay(super::bench_agent_replay::BenchAgentReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -61,6 +64,7 @@ pub fn run(a: Args) -> Result<()> {
         Kind::Gpu(g) => super::bench_gpu::run(g)?,
         Kind::Hybrid(h) => super::bench_hybrid::run_bench(h)?,
         Kind::Http(h) => super::bench_http::run(h)?,
+        Kind::AgentReplay(r) => super::bench_agent_replay::run(r)?,
     };
     let text = serde_json::to_string_pretty(&record)?;
     println!("{text}");

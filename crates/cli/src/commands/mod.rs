@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod bench_agent_replay;
 pub mod bench_cpu_experts;
 pub mod bench_gpu;
 pub mod bench_http;

@@ -57,6 +57,10 @@ pub struct Args {
     /// Turn the prefix cache off: every request computes its whole prompt.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// With disk offload on, a conversation without requests for this many seconds moves from
+    /// RAM to disk (it comes back on its next request).
+    #[arg(long, default_value_t = 300)]
+    pub idle_offload_secs: u64,
 }
 
 /// The prefix cache's settings for the model in `dir`: disk entries are tied to the model's
@@ -76,6 +80,7 @@ fn prefix_cache_config(a: &Args, model_id: &str, dir: &Path, backend: &str) -> O
     let mut c = CacheConfig::new(identity);
     c.ram_bytes = a.prefix_cache_ram as usize;
     c.disk_bytes = a.prefix_cache_disk;
+    c.idle = std::time::Duration::from_secs(a.idle_offload_secs);
     c.disk_dir = a.disk_offload.clone().or_else(|| {
         let s = capy_server::admin::Settings::load(capy_server::admin::settings_path().as_deref());
         s.disk_offload.then_some(s.disk_offload_dir)
