@@ -135,6 +135,18 @@ fn show_dashboard(app: &AppHandle) {
     }
 }
 
+/// Stops the server, then exits. Off the main thread: the server's last state change updates
+/// the tray icon, which runs on the main thread, so the main thread must not wait for it.
+fn quit(app: &AppHandle) {
+    let app = app.clone();
+    std::thread::spawn(move || {
+        tracing::info!("quitting: stopping the server");
+        app.state::<Arc<Server>>().stop();
+        tracing::info!("server stopped");
+        app.exit(0);
+    });
+}
+
 fn main() {
     let args = match parse_args() {
         Ok(a) => a,
@@ -177,12 +189,12 @@ fn main() {
                 autostart_on,
                 None::<&str>,
             )?;
-            let quit = MenuItem::with_id(app, "quit", "Quit", true, None::<&str>)?;
+            let quit_item = MenuItem::with_id(app, "quit", "Quit", true, None::<&str>)?;
             let sep = PredefinedMenuItem::separator(app)?;
             let sep2 = PredefinedMenuItem::separator(app)?;
             let menu = Menu::with_items(
                 app,
-                &[&start, &stop, &sep, &copy, &open, &sep2, &login, &quit],
+                &[&start, &stop, &sep, &copy, &open, &sep2, &login, &quit_item],
             )?;
             TrayIconBuilder::with_id(TRAY)
                 .icon(Image::from_bytes(ICON_STOPPED)?)
@@ -211,7 +223,7 @@ fn main() {
                                 Err(e) => tracing::error!("cannot change start at login: {e}"),
                             }
                         }
-                        "quit" => app.exit(0),
+                        "quit" => quit(app),
                         _ => {}
                     }
                 })
@@ -230,7 +242,7 @@ fn main() {
                     if let Ok(mut term) = signal(SignalKind::terminate()) {
                         term.recv().await;
                         tracing::info!("SIGTERM: quitting");
-                        handle.exit(0);
+                        quit(&handle);
                     }
                 });
             }
@@ -257,9 +269,8 @@ fn main() {
             code: None, api, ..
         } => api.prevent_exit(),
         RunEvent::Exit => {
-            tracing::info!("quitting: stopping the server");
-            app.state::<Arc<Server>>().stop();
-            tracing::info!("stopped; bye");
+            let _ = app;
+            tracing::info!("bye");
         }
         _ => {}
     });

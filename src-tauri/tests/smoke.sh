@@ -32,6 +32,7 @@ kill -TERM "$(cat "$tmp/pid")"
 code=0; wait "$runner" || code=$?
 [ "$code" -eq 0 ] || fail "the app exited with $code after SIGTERM (expected 0)"
 grep -q 'dashboard window opened' "$CAPY_LOG_DIR"/capy-flash-app.log* || fail "the log does not show the dashboard window opened"
-grep -q 'stopped; bye' "$CAPY_LOG_DIR"/capy-flash-app.log* || fail "the log does not show a clean stop"
+grep -q 'server stopped' "$CAPY_LOG_DIR"/capy-flash-app.log* || fail "the log does not show the server stopped"
 grep -q 'server state state="ready"\|server state state=ready' "$CAPY_LOG_DIR"/capy-flash-app.log* || fail "the log does not show the server ready"
+grep -q 'bye' "$CAPY_LOG_DIR"/capy-flash-app.log* || fail "the log does not show the app's exit"
 echo "smoke.sh: the app served /health and /ui on port $port, opened its window, and quit cleanly"
