@@ -287,3 +287,34 @@ fn a_saved_hot_set_starts_the_cache_warm() {
     assert!(s.hits > 0, "{s:?}");
     check_model(&mut warm.model, "loader, warm start");
 }
+
+#[test]
+fn a_returning_sessions_heat_prefetches_its_experts() {
+    let probe = loaded(0, None);
+    let budget = 6 * probe.report.expert_bytes;
+    let prompt = reference().prompts[0].clone();
+    // The session's first turn: its routing heat is read at the end.
+    let mut first = loaded(budget, None);
+    let seq = first.model.new_sequence();
+    first
+        .model
+        .forward(&[BatchItem {
+            seq,
+            tokens: &prompt,
+            logits: LogitsWanted::Last,
+        }])
+        .unwrap();
+    let heat = first
+        .model
+        .routing_heat(seq)
+        .expect("a hybrid model has heat");
+    assert!(!heat.is_empty());
+    // It returns to a cold cache: the heat is prefetched before its prompt runs.
+    let mut back = loaded(budget, None);
+    back.model.prefetch_experts(&heat);
+    let cache = back.cache.clone().unwrap();
+    assert!(cache.lock().unwrap().resident_count() > 0);
+    logits_of(&mut back.model, &prompt);
+    assert!(cache.lock().unwrap().stats().hits > 0);
+    check_model(&mut back.model, "after a session's prefetch");
+}

@@ -253,7 +253,10 @@ pub fn load_flash_next<B: Backend>(
         }
         Ok(Box::new(h))
     };
-    let model = Qwen4ExpText::load_with_experts(backend, ck, Some(&mut make))?;
+    let mut model = Qwen4ExpText::load_with_experts(backend, ck, Some(&mut make))?;
+    if let Some(c) = &cache {
+        model.set_expert_cache(c.clone());
+    }
     let host_bytes: usize = sets.iter().map(|s| s.bytes()).sum();
     let mut report = report;
     report.pinned_bytes = pinned_bytes;

@@ -24,7 +24,9 @@ use super::{BatchItem, CausalLm, ModelInfo, SeqId, SequenceTable, StateSnapshot}
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerType, Qwen4ExpConfig, TextConfig};
+use crate::hybrid::expert_cache::{ExpertCache, HeatEntry};
 use anyhow::{bail, Context, Result};
+use std::sync::{Arc, Mutex};
 
 enum Mixer<B: Backend> {
     Linear(GatedDeltaNet<B>),
@@ -87,6 +89,9 @@ pub struct Qwen4ExpText<B: Backend> {
     lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
     sequences: SequenceTable<SeqState<B>>,
+    /// The hybrid placement's VRAM expert cache, when the routed experts run hybrid: sessions'
+    /// heat is read from it and returning sessions warm it.
+    expert_cache: Option<Arc<Mutex<ExpertCache>>>,
 }
 
 impl<B: Backend> Qwen4ExpText<B> {
@@ -223,7 +228,13 @@ impl<B: Backend> Qwen4ExpText<B> {
             lm_head,
             inv_freq,
             sequences: SequenceTable::default(),
+            expert_cache: None,
         })
+    }
+
+    /// Connects the expert cache of hybrid placement (see [`crate::hybrid::load_flash_next`]).
+    pub fn set_expert_cache(&mut self, cache: Arc<Mutex<ExpertCache>>) {
+        self.expert_cache = Some(cache);
     }
 
     pub fn backend(&self) -> &B {
@@ -352,6 +363,25 @@ impl<B: Backend> DecoderLayer<B> {
 impl<B: Backend> CausalLm for Qwen4ExpText<B> {
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// The cache's recent heat (its counts decay with a half-life of tokens, so at the end of
+    /// a turn they are mostly that turn's routing; concurrent sessions blur it), as many
+    /// entries as the cache has slots.
+    fn routing_heat(&self, seq: SeqId) -> Option<Vec<HeatEntry>> {
+        let _ = seq;
+        let c = self.expert_cache.as_ref()?.lock().expect("expert cache");
+        Some(c.heat(c.config().slots.max(1)))
+    }
+
+    /// Raises the returning session's experts in the cache; the layers copy in what it then
+    /// holds resident at their next step.
+    fn prefetch_experts(&mut self, heat: &[HeatEntry]) {
+        if let Some(c) = &self.expert_cache {
+            if let Err(e) = c.lock().expect("expert cache").warm(heat) {
+                tracing::warn!("expert cache: session heat not used: {e:#}");
+            }
+        }
     }
 
     fn new_sequence(&mut self) -> SeqId {
