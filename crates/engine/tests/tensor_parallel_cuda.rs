@@ -63,7 +63,10 @@ fn run(m: &mut dyn CausalLm, ids: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) 
 
 #[test]
 fn two_ranks_on_one_gpu_match_the_cpu_model() {
-    let backends: Vec<CudaBackend> = match (0..2).map(|_| CudaBackend::new(0, None)).collect() {
+    let backends: Vec<CudaBackend> = match (0..2)
+        .map(|_| CudaBackend::with_exact_math(0, None, true))
+        .collect()
+    {
         Ok(b) => b,
         Err(e) => {
             println!("skipping: no usable CUDA device: {e:#}");
