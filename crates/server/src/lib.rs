@@ -229,6 +229,52 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         "Prefix cache hits.",
         r(&m.prefix_cache_hits_total),
     );
+    if let Some(e) = capy_engine::hybrid::expert_cache::expert_cache_metrics() {
+        let s = &e.stats;
+        metric(
+            "expert_cache_lookups_total",
+            "counter",
+            "Routed (token, expert) pairs looked up in the VRAM expert cache.",
+            s.lookups,
+        );
+        metric(
+            "expert_cache_hits_total",
+            "counter",
+            "Of those, computed by a resident expert on the GPU.",
+            s.hits,
+        );
+        metric(
+            "expert_cache_admissions_total",
+            "counter",
+            "Experts copied into the VRAM expert cache.",
+            s.admissions,
+        );
+        metric(
+            "expert_cache_evictions_total",
+            "counter",
+            "Experts given up by the VRAM expert cache.",
+            s.evictions,
+        );
+        metric(
+            "expert_cache_bytes_copied_total",
+            "counter",
+            "Host-to-device bytes of expert copies.",
+            e.bytes_copied,
+        );
+        metric(
+            "expert_cache_resident",
+            "gauge",
+            "Experts resident in VRAM now.",
+            e.resident as u64,
+        );
+        metric(
+            "expert_cache_slots",
+            "gauge",
+            "Experts the VRAM expert cache can hold.",
+            e.slots as u64,
+        );
+        metric("expert_cache_tokens_total", "counter", "Tokens routed through the hybrid MoE layers (CPU experts per token = (lookups - hits) / tokens).", s.tokens);
+    }
     metric(
         "forward_steps_total",
         "counter",

@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::{Arc, Mutex, Weak};
 
 /// Settings of the VRAM expert cache.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -421,8 +422,79 @@ struct HotSetFile {
     entries: Vec<HeatEntry>,
 }
 
+/// The expert caches of the loaded models, for `/metrics` (held weakly: a dropped model's
+/// cache leaves the sums), each with the bytes one expert copy moves.
+static METRICS_REGISTRY: Mutex<Vec<(Weak<Mutex<ExpertCache>>, usize)>> = Mutex::new(Vec::new());
+
+/// Expert cache figures summed over the loaded models.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct ExpertCacheMetrics {
+    pub stats: ExpertCacheStats,
+    pub resident: usize,
+    pub slots: usize,
+    /// Host-to-device bytes the admissions copied.
+    pub bytes_copied: u64,
+}
+
+/// Makes `cache` visible to [`expert_cache_metrics`]; `expert_bytes` is one expert's copy size.
+pub fn register_for_metrics(cache: &Arc<Mutex<ExpertCache>>, expert_bytes: usize) {
+    let mut r = METRICS_REGISTRY.lock().expect("expert cache registry");
+    r.retain(|(w, _)| w.strong_count() > 0);
+    r.push((Arc::downgrade(cache), expert_bytes));
+}
+
+/// The registered caches' figures summed, or `None` when no hybrid model is loaded.
+pub fn expert_cache_metrics() -> Option<ExpertCacheMetrics> {
+    let r = METRICS_REGISTRY.lock().expect("expert cache registry");
+    let mut m: Option<ExpertCacheMetrics> = None;
+    for (w, expert_bytes) in r.iter() {
+        let Some(cache) = w.upgrade() else { continue };
+        let c = cache.lock().expect("expert cache");
+        let s = c.stats();
+        let t = m.get_or_insert_with(Default::default);
+        t.stats.lookups += s.lookups;
+        t.stats.hits += s.hits;
+        t.stats.admissions += s.admissions;
+        t.stats.evictions += s.evictions;
+        t.stats.tokens += s.tokens;
+        t.resident += c.resident_count();
+        t.slots += c.config().slots;
+        t.bytes_copied += s.admissions * *expert_bytes as u64;
+    }
+    m
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn metrics_sum_the_live_caches_and_forget_dropped_ones() {
+        let config = ExpertCacheConfig {
+            slots: 2,
+            half_life_tokens: 8.0,
+            admit_margin: 0.0,
+        };
+        let cache = Arc::new(Mutex::new(ExpertCache::new(1, 4, config)));
+        register_for_metrics(&cache, 1000);
+        {
+            let mut c = cache.lock().unwrap();
+            c.advance(1);
+            c.observe(0, &[1, 2]);
+            c.advance(1);
+            c.observe(0, &[1, 2]);
+        }
+        let m = expert_cache_metrics().expect("a registered cache");
+        let s = cache.lock().unwrap().stats();
+        assert_eq!(m.stats, s);
+        assert!(s.admissions > 0 && s.hits > 0, "{s:?}");
+        assert_eq!(m.bytes_copied, s.admissions * 1000);
+        assert_eq!(
+            (m.slots, m.resident),
+            (2, cache.lock().unwrap().resident_count())
+        );
+        drop(cache);
+        assert_eq!(expert_cache_metrics(), None);
+    }
+
     use super::*;
 
     fn cache(slots: usize) -> ExpertCache {
