@@ -39,6 +39,13 @@ pub struct ExpertPool {
 /// The first logical CPU of each physical core this process may run on (Linux), in order;
 /// elsewhere, `0..available_parallelism`.
 pub fn physical_cores() -> Vec<usize> {
+    // Read once, before any pool pins its threads: the affinity mask of a pinned thread names
+    // one CPU, and a bench that asked afterwards reported one physical core.
+    static CORES: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    CORES.get_or_init(detect_physical_cores).clone()
+}
+
+fn detect_physical_cores() -> Vec<usize> {
     #[cfg(target_os = "linux")]
     {
         let allowed = allowed_cpus();
