@@ -22,7 +22,9 @@ for _ in $(seq 1 300); do
   sleep 1
 done
 grep -q '"status":"ok"' "$tmp/health.json" || fail "no /health answer from the in-process server on port $port within 300 s"
-curl -sf "http://127.0.0.1:$port/ui/" | grep -q '<title>' || fail "/ui/ does not serve the dashboard"
+# To a file, then grep: `curl | grep -q` fails under pipefail when grep stops reading early.
+curl -sf -o "$tmp/ui.html" "http://127.0.0.1:$port/ui/" || fail "/ui/ did not answer"
+grep -q '<title>' "$tmp/ui.html" || fail "/ui/ does not serve the dashboard"
 # The dashboard window talks to the server from the app's origin: CORS must allow it.
 curl -sf -o /dev/null -H 'Origin: tauri://localhost' -D "$tmp/cors.txt" "http://127.0.0.1:$port/admin/machine" \
   || fail "/admin/machine failed"
