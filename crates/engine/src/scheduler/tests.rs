@@ -401,7 +401,16 @@ fn a_returning_session_gets_its_hot_experts_prefetched() {
     collect(s.submit(session_request(a.clone(), "a")).unwrap());
     // a's first turn: no heat yet, nothing to prefetch.
     assert!(prefetched().is_empty());
-    let heat_a = s.cache().unwrap().lock().unwrap().heat_of("a");
+    // The stream ends when the last token is sent; the scheduler files the turn's heat just
+    // after, on its own thread: wait for it (a request submitted now would be served after it).
+    let mut heat_a = Vec::new();
+    for _ in 0..500 {
+        heat_a = s.cache().unwrap().lock().unwrap().heat_of("a");
+        if !heat_a.is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     let experts = |h: &[crate::hybrid::expert_cache::HeatEntry]| {
         let mut v: Vec<(u32, u32)> = h.iter().map(|e| (e.layer, e.expert)).collect();
         v.sort();
