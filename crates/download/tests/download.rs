@@ -68,6 +68,18 @@ fn walk(dir: &Path) -> Vec<String> {
 
 fn no_progress(_: &Progress) {}
 
+/// The plain case: plenty of disk, never cancelled, progress ignored.
+async fn fetch(hub: &Hub, repo: &str, dest: &Path) -> Result<capy_download::Summary, Error> {
+    download(
+        hub,
+        &Request::new(repo, dest),
+        &plenty,
+        &CancelFlag::new(),
+        &no_progress,
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn downloads_verifies_and_skips_what_is_complete() {
     let (hub, _state) = start(files()).await;
@@ -107,15 +119,7 @@ async fn downloads_verifies_and_skips_what_is_complete() {
     // bytes_done never goes backwards on a clean run
     assert!(seen.windows(2).all(|w| w[0].bytes_done <= w[1].bytes_done));
 
-    let again = download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap();
+    let again = fetch(&hub, REPO, &dest).await.unwrap();
     assert_eq!((again.files_skipped, again.bytes_fetched), (3, 0));
 }
 
@@ -132,15 +136,7 @@ async fn interrupted_transfer_resumes_with_a_range_request() {
     )
     .unwrap();
     state.faults.lock().unwrap().cut_next_after = Some(120_000);
-    let err = download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap_err();
+    let err = fetch(&hub, REPO, &dest).await.unwrap_err();
     assert!(matches!(err, Error::Network { .. }), "{err}");
     let (final_path, part) = paths(&dest, "model.safetensors");
     assert!(
@@ -150,15 +146,7 @@ async fn interrupted_transfer_resumes_with_a_range_request() {
     let kept = std::fs::metadata(&part).unwrap().len();
     assert!(kept > 0 && kept <= 120_000, "kept {kept}");
 
-    let summary = download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap();
+    let summary = fetch(&hub, REPO, &dest).await.unwrap();
     assert_eq!(std::fs::read(&final_path).unwrap(), content(300_000, 7));
     assert!(parts_left(&dest).is_empty());
     assert_eq!(summary.bytes_fetched, 300_000 - kept + 5_000);
@@ -173,25 +161,9 @@ async fn a_server_that_ignores_range_restarts_the_file_correctly() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("tiny");
     state.faults.lock().unwrap().cut_next_after = Some(10);
-    download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap_err();
+    fetch(&hub, REPO, &dest).await.unwrap_err();
     state.faults.lock().unwrap().ignore_range = true;
-    download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap();
+    fetch(&hub, REPO, &dest).await.unwrap();
     for f in files() {
         assert_eq!(std::fs::read(dest.join(&f.path)).unwrap(), f.content);
     }
@@ -206,15 +178,7 @@ async fn wrong_checksum_is_refused_and_nothing_is_marked_complete() {
         let (hub, _state) = start(fs).await;
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("tiny");
-        let err = download(
-            &hub,
-            &Request::new(REPO, &dest),
-            &plenty,
-            &CancelFlag::new(),
-            &no_progress,
-        )
-        .await
-        .unwrap_err();
+        let err = fetch(&hub, REPO, &dest).await.unwrap_err();
         match &err {
             Error::ChecksumMismatch {
                 file, algorithm, ..
@@ -241,27 +205,11 @@ async fn a_corrupt_partial_file_is_caught_at_verification() {
     std::fs::create_dir_all(&dest).unwrap();
     let (final_path, part) = paths(&dest, "model.safetensors");
     std::fs::write(&part, vec![0u8; 50_000]).unwrap();
-    let err = download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap_err();
+    let err = fetch(&hub, REPO, &dest).await.unwrap_err();
     assert!(matches!(err, Error::ChecksumMismatch { .. }), "{err}");
     assert!(!final_path.exists() && !part.exists());
     // The next run fetches it afresh and succeeds.
-    download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap();
+    fetch(&hub, REPO, &dest).await.unwrap();
     assert_eq!(std::fs::read(&final_path).unwrap(), content(300_000, 7));
 }
 
@@ -271,15 +219,9 @@ async fn not_found_repository_and_file() {
     fs[2].missing = true;
     let (hub, _state) = start(fs).await;
     let dir = tempfile::tempdir().unwrap();
-    let err = download(
-        &hub,
-        &Request::new("capy-test/nope", dir.path().join("x")),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap_err();
+    let err = fetch(&hub, "capy-test/nope", &dir.path().join("x"))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::NotFound { .. }), "{err}");
     assert!(err.to_string().contains("capy-test/nope") && err.to_string().contains("HF_TOKEN"));
     assert!(
@@ -288,15 +230,7 @@ async fn not_found_repository_and_file() {
     );
 
     let dest = dir.path().join("tiny");
-    let err = download(
-        &hub,
-        &Request::new(REPO, &dest),
-        &plenty,
-        &CancelFlag::new(),
-        &no_progress,
-    )
-    .await
-    .unwrap_err();
+    let err = fetch(&hub, REPO, &dest).await.unwrap_err();
     match &err {
         Error::NotFound { url, .. } => {
             assert!(url.ends_with("/resolve/main/sub/tokenizer.json"), "{url}")
