@@ -21,12 +21,12 @@ command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 python3 -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)
 # The dashboard's browser tests (Node, Debian's Chromium) and the tray app (WebKitGTK, a tray
-# library, and Xvfb + D-Bus to start it headless).
+# library, Xvfb + D-Bus to start it headless, WebKitWebDriver and gdbus for its WebDriver test).
 command -v node >/dev/null || need_apt+=(nodejs)
 command -v npm >/dev/null || need_apt+=(npm)
 command -v curl >/dev/null || need_apt+=(curl)
 [ -x /usr/bin/chromium ] || [ -n "${CHROMIUM:-}" ] || need_apt+=(chromium)
-for p in libwebkit2gtk-4.1-dev libayatana-appindicator3-dev librsvg2-dev xvfb xauth dbus; do
+for p in libwebkit2gtk-4.1-dev libayatana-appindicator3-dev librsvg2-dev xvfb xauth dbus webkit2gtk-driver libglib2.0-bin; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -83,9 +83,18 @@ cargo build -p capy-flash
 CAPY_BIN="$root/target/debug/capy-flash" CHROMIUM="$browser" node --test tests/ui/
 echo "screenshots: $root/target/ui-screenshots/"
 
-say "tray app (src-tauri, its own workspace): format, build, smoke run under Xvfb + D-Bus"
+say "tray app (src-tauri, its own workspace): format, build, clippy, smoke run under Xvfb + D-Bus"
 cargo fmt --manifest-path src-tauri/Cargo.toml -- --check
 cargo build --manifest-path src-tauri/Cargo.toml --locked
+cargo clippy --manifest-path src-tauri/Cargo.toml --locked --all-targets -- -D warnings
 bash src-tauri/tests/smoke.sh "$root/src-tauri/target/debug/capy-flash-app"
+
+say "tray app WebDriver test (tauri-driver + WebKitWebDriver: window, in-process server, tray Quit)"
+# Pinned; installed once under target/ (a second run finds it and skips the build).
+cargo install tauri-driver --version 2.1.0 --locked --root "$root/target/tauri-driver" --quiet
+# CI=true: here every tool is installed above, so the test must run, never skip.
+CI=true CAPY_APP="$root/src-tauri/target/debug/capy-flash-app" TAURI_DRIVER="$root/target/tauri-driver/bin/tauri-driver" \
+  node --test tests/ui/tauri_webdriver.mjs
+echo "screenshot: $root/target/ui-screenshots/tauri-app-window.png"
 
 say "all tests passed"
