@@ -145,7 +145,7 @@ after(async () => {
 test("the app's window shows its in-process server, round-trips through it, and quits cleanly", { skip }, async () => {
   // The window is the app's own page (not the server's /ui) and talks to the app's server.
   const where = await script("return [window.location.protocol, window.CAPY_ENDPOINT];");
-  assert.notEqual(where[0], "http:", `the window should load the app's bundled dashboard, not a server page: ${where}`);
+  assert.equal(where[0], "tauri:", `the window should load the app's bundled dashboard (tauri://localhost), not a server page: ${where}`);
   assert.equal(where[1], `http://127.0.0.1:${port}`);
   await waitFor(async () => (await text("server-state")) === "ready", "the window's dashboard to show the server ready", 300_000);
   assert.equal(await text("endpoint"), `http://127.0.0.1:${port}`);
