@@ -68,13 +68,17 @@ fn expected(dir: &Path) -> Expected {
     serde_json::from_str(&text).unwrap()
 }
 
-/// Checks the checkpoint stores what the fixture says (so a loader that ignored the
-/// quantized tensors could not pass), then the logits and the greedy tokens.
 fn check(name: &str) {
     let (model_path, exp_dir) = fixture(name);
-    let exp = expected(&exp_dir);
+    check_files(name, &model_path, &exp_dir);
+}
+
+/// Checks the checkpoint stores what the fixture says (so a loader that ignored the
+/// quantized tensors could not pass), then the logits and the greedy tokens.
+fn check_files(name: &str, model_path: &Path, exp_dir: &Path) {
+    let exp = expected(exp_dir);
     assert_eq!(exp.fixture, name);
-    let ck = Checkpoint::open(&model_path).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let ck = Checkpoint::open(model_path).unwrap_or_else(|e| panic!("{name}: {e:#}"));
     assert_eq!(ck.config.architecture.model_type(), exp.architecture);
     assert_eq!(ck.config.vocab_size, exp.vocab_size);
     let mut quantized = 0;
@@ -245,6 +249,69 @@ fn gguf_mtp_block_and_converter_layout_are_undone() {
             "FullAttention"
         ]
     );
+}
+
+// --- GGUF files written by llama.cpp itself ----------------------------------------------------
+//
+// `tests/fixtures/llamacpp_gguf/<name>/model.gguf` were written by llama.cpp's
+// convert_hf_to_gguf.py and quantized by llama-quantize (tools/make_llamacpp_gguf_fixtures.py;
+// the reference is transformers on the file's tensors dequantized by gguf-py). The path given
+// to `Checkpoint::open` is the `.gguf` file, as `--model FILE.gguf` gives it.
+
+fn llamacpp(name: &str) -> (PathBuf, PathBuf) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llamacpp_gguf")
+        .join(name);
+    (dir.join("model.gguf"), dir)
+}
+
+#[test]
+fn llamacpp_quantized_untied_with_mtp_matches_transformers() {
+    let (model, dir) = llamacpp("qwen35_untied_mtp");
+    check_files("qwen35_untied_mtp", &model, &dir);
+}
+
+#[test]
+fn llamacpp_quantized_tied_matches_transformers() {
+    let (model, dir) = llamacpp("qwen35_tied");
+    check_files("qwen35_tied", &model, &dir);
+}
+
+#[test]
+fn llamacpp_files_cover_every_block_type_and_their_metadata_is_read() {
+    let mut types = std::collections::BTreeSet::new();
+    for (name, tied, mtp) in [("qwen35_untied_mtp", false, 1), ("qwen35_tied", true, 0)] {
+        let (path, _) = llamacpp(name);
+        let ck = Checkpoint::open(&path).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        let g = ck.weights.gguf().unwrap();
+        let f = g.file();
+        let blocks = f
+            .meta("qwen35.block_count")
+            .and_then(|v| v.as_u64())
+            .unwrap() as usize;
+        assert_eq!(blocks, ck.config.num_hidden_layers + mtp, "{name}");
+        assert_eq!(ck.config.tie_word_embeddings, tied, "{name}");
+        assert_eq!(ck.weights.contains("lm_head.weight"), !tied, "{name}");
+        // The MTP block is in the file (as the converter writes it) but no model tensor.
+        let nextn = f.tensors.iter().any(|t| t.name.contains(".nextn."));
+        assert_eq!(nextn, mtp > 0, "{name}");
+        let last = ck.config.num_hidden_layers;
+        assert!(
+            !ck.weights
+                .names()
+                .any(|n| n.contains(&format!("layers.{last}."))),
+            "{name}: the MTP block must not become a layer"
+        );
+        for t in &f.tensors {
+            types.insert(t.ty.name().to_string());
+        }
+    }
+    for want in ["Q8_0", "Q2_0", "IQ3_S", "IQ3_XXS", "IQ2_XS"] {
+        assert!(
+            types.contains(want),
+            "no {want} tensor in the llama.cpp files: {types:?}"
+        );
+    }
 }
 
 // --- corrupt input ---------------------------------------------------------------------------
