@@ -77,16 +77,18 @@ BASE = dict(
 MODELS = {
     "qwen35_untied_mtp": (
         dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=64,
+             # 3 value heads per key head, as in the 27B (16 / 48): the grouped -> tiled reorder
+             # is not its own inverse (with 2 x 2 it would be).
+             linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=64,
              tie_word_embeddings=False),
         1,
         ["--tensor-type", r"blk\.2\.=iq2_xs",  # the MTP block: only its size matters
          "--tensor-type", r"blk\.0\.attn_qkv=iq3_s",
          "--tensor-type", r"blk\.0\.attn_gate=iq3_xxs",
-         "--tensor-type", r"blk\.0\.ssm_out=iq2_xs",
+         "--tensor-type", r"blk\.0\.ssm_out=q2_0",  # 384 columns: not whole 256-blocks
          "--tensor-type", r"blk\.0\.ffn_gate=iq3_xxs",
          "--tensor-type", r"blk\.0\.ffn_up=iq2_xs",
-         "--tensor-type", r"blk\.0\.ffn_down=q2_0",
+         "--tensor-type", r"blk\.0\.ffn_down=iq2_xs",
          "--tensor-type", r"blk\.1\.attn_q=iq2_xs",
          "--tensor-type", r"blk\.1\.attn_k=q2_0",
          "--tensor-type", r"blk\.1\.ffn_up=q2_0",
@@ -94,7 +96,7 @@ MODELS = {
          "--tensor-type", r"blk\.1\.ffn_gate=iq3_s",
          "--tensor-type", r"blk\.1\.ffn_down=iq3_xxs",
          "--output-tensor-type", "iq3_xxs",
-         "--token-embedding-type", "q8_0",
+         "--token-embedding-type", "q2_0",
          "Q8_0"],
     ),
     "qwen35_tied": (
@@ -276,6 +278,10 @@ def make(name: str, seed: int) -> None:
 
     ref, formats = undo(hf, read_tensors(qpath), cfg, nmap)
     kinds = sorted(set(formats.values()))
+    # llama-quantize silently falls back (e.g. IQ3_S -> IQ4_NL) when a row is not whole blocks.
+    unsupported = set(kinds) - {"F32", "F16", "BF16", "Q8_0", "Q2_0", "IQ3_S", "IQ3_XXS", "IQ2_XS"}
+    if unsupported:
+        raise SystemExit(f"{name}: llama-quantize wrote {sorted(unsupported)}; change the --tensor-type overrides")
     model = mq.load_model({k: v for k, v in cfg.items() if k != "mtp_num_hidden_layers"}, ref)
     desc = (f"qwen3_5_text ({'tied' if cfg['tie_word_embeddings'] else 'untied'} head"
             f"{', MTP block' if mtp else ''}) converted by llama.cpp's convert_hf_to_gguf.py and quantized by "
