@@ -99,8 +99,10 @@ MODELS = {
          "--token-embedding-type", "q2_0",
          "Q8_0"],
     ),
+    # Saved as Qwen3_5ForConditionalGeneration (text_config, model.language_model.*, a vision
+    # tensor), the layout of the published Qwen3.8-27B checkpoints the real GGUFs come from.
     "qwen35_tied": (
-        dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"], full_attention_interval=4,
+        dict(vl_layout=True, num_hidden_layers=2, layer_types=["full_attention", "linear_attention"], full_attention_interval=4,
              linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=64,
              tie_word_embeddings=True),
         0,
@@ -243,6 +245,7 @@ def undo(hf: dict, gg: dict, cfg: dict, nmap) -> tuple[dict, dict]:
 def make(name: str, seed: int) -> None:
     changes, mtp, qargs = MODELS[name]
     cfg = {**BASE, **changes}
+    vl = cfg.pop("vl_layout", False)
     if mtp:
         cfg["mtp_num_hidden_layers"] = mtp
     hf = mq.random_qwen3_5({k: v for k, v in cfg.items() if k != "mtp_num_hidden_layers"}, seed)
@@ -253,8 +256,17 @@ def make(name: str, seed: int) -> None:
         tmp = Path(tmp_s)
         ck = tmp / "hf"
         ck.mkdir()
-        (ck / "config.json").write_text(json.dumps(cfg, indent=1))
-        save_file({k: np.ascontiguousarray(v) for k, v in hf.items()}, str(ck / "model.safetensors"), metadata={"format": "pt"})
+        saved, saved_cfg = dict(hf), cfg
+        if vl:
+            saved = {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in hf.items()}
+            # The converter's text model must leave the vision tower to --mmproj.
+            saved["model.visual.patch_embed.proj.weight"] = np.ones((8, 24), np.float32)
+            text = {k: v for k, v in cfg.items() if k not in ("architectures",)}
+            saved_cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                         "tie_word_embeddings": cfg["tie_word_embeddings"], "text_config": text,
+                         "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 8}}
+        (ck / "config.json").write_text(json.dumps(saved_cfg, indent=1))
+        save_file({k: np.ascontiguousarray(v) for k, v in saved.items()}, str(ck / "model.safetensors"), metadata={"format": "pt"})
         make_tokenizer(ck)
         f32 = tmp / "f32.gguf"
         # The converter's MTP support asserts an MTP block unless told there is none.
@@ -265,6 +277,8 @@ def make(name: str, seed: int) -> None:
         conv = read_tensors(f32)
         if mtp and not any(n.startswith(f"blk.{cfg['num_hidden_layers']}.nextn.") for n in conv):
             raise SystemExit("the converter wrote no MTP (nextn) tensors")
+        if any("visual" in n or n.startswith("v.") for n in conv):
+            raise SystemExit("the converter wrote vision tensors into the text GGUF")
         back, _ = undo(hf, conv, cfg, nmap)
         for k, v in back.items():
             if not np.allclose(v, hf[k], atol=1e-6, rtol=0):
@@ -284,7 +298,7 @@ def make(name: str, seed: int) -> None:
         raise SystemExit(f"{name}: llama-quantize wrote {sorted(unsupported)}; change the --tensor-type overrides")
     model = mq.load_model({k: v for k, v in cfg.items() if k != "mtp_num_hidden_layers"}, ref)
     desc = (f"qwen3_5_text ({'tied' if cfg['tie_word_embeddings'] else 'untied'} head"
-            f"{', MTP block' if mtp else ''}) converted by llama.cpp's convert_hf_to_gguf.py and quantized by "
+            f"{', MTP block' if mtp else ''}{', saved as Qwen3_5ForConditionalGeneration' if vl else ''}) converted by llama.cpp's convert_hf_to_gguf.py and quantized by "
             f"llama-quantize: {'/'.join(kinds)}")
     mq.save_expected(folder, name, desc, cfg, mq.reference(model, cfg["vocab_size"]), formats)
     exp = json.loads((folder / "expected.json").read_text())
