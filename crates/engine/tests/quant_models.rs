@@ -495,6 +495,35 @@ fn gguf_shape_that_contradicts_the_metadata_is_named() {
 }
 
 #[test]
+fn llamacpp_recurrent_layers_that_contradict_the_tensors_are_named() {
+    // The converter writes qwen35.attention.recurrent_layers (one bool per block): flip block
+    // 0's (Gated DeltaNet) to false.
+    let (src, _) = llamacpp("qwen35_untied_mtp");
+    let mut bytes = std::fs::read(src).unwrap();
+    let key = b"qwen35.attention.recurrent_layers";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 9); // ARRAY
+    assert_eq!(
+        u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()),
+        7
+    ); // of BOOL
+    assert_eq!(
+        u64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap()),
+        3
+    ); // 2 + MTP
+    assert_eq!(&bytes[at + 16..at + 19], &[1, 0, 0]);
+    bytes[at + 16] = 0;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load_err(&path);
+    assert!(
+        e.contains("recurrent_layers[0] = false") && e.contains("block 0"),
+        "{e}"
+    );
+}
+
+#[test]
 fn gguf_folder_without_config_is_opened_and_dtype_is_f32() {
     let (dir, _) = fixture("gguf_qwen35_tied");
     let ck = Checkpoint::open(&dir).unwrap();

@@ -199,6 +199,35 @@ pub fn config_from_metadata(f: &GgufFile) -> Result<Value> {
             ),
         });
     }
+    // Newer converters also write which blocks are recurrent (MTP blocks last, false): it must
+    // agree with the tensors, or the file is not what its metadata says.
+    if let Some(flags) = f
+        .meta(&k("attention.recurrent_layers"))
+        .and_then(GgufValue::as_array)
+    {
+        if flags.len() < layers {
+            bail!(
+                "{}: {arch}.attention.recurrent_layers has {} entries; expected one per block ({blocks})",
+                f.path.display(),
+                flags.len()
+            );
+        }
+        for (i, (flag, kind)) in flags.iter().zip(&layer_types).enumerate() {
+            let recurrent = flag.as_bool().with_context(|| {
+                format!(
+                    "{}: {arch}.attention.recurrent_layers[{i}] is {flag:?}, expected a bool",
+                    f.path.display()
+                )
+            })?;
+            if recurrent != (*kind == "linear_attention") {
+                bail!(
+                    "{}: {arch}.attention.recurrent_layers[{i}] = {recurrent} but block {i} has {} tensors; the metadata and the tensors disagree",
+                    f.path.display(),
+                    if *kind == "linear_attention" { "Gated DeltaNet (attn_qkv)" } else { "full-attention (attn_q)" }
+                );
+            }
+        }
+    }
     let tok = |key: &str| f.meta(key).and_then(GgufValue::as_u64);
     let mut cfg = json!({
         "architectures": ["Qwen3_5ForCausalLM"],
