@@ -310,6 +310,75 @@ def make(name: str, seed: int) -> None:
     print(name, kinds, f"{qpath.stat().st_size} bytes")
 
 
+def make_qwen4exp_experts() -> None:
+    """Flash-Next: the tiny qwen4_exp_text/fused checkpoint through the converter's qwen4exp
+    model (conversion/qwen4exp.py) and llama-quantize; the engine takes only the routed experts
+    (blk.N.ffn_{gate,up,down}_exps) from that GGUF, the rest from the safetensors beside it."""
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    name = "qwen4exp_experts"
+    src = ROOT / "crates" / "engine" / "tests" / "fixtures" / "qwen4_exp_text" / "fused"
+    cfg = json.loads((src / "config.json").read_text())
+    base = load_file(str(src / "model.safetensors"))
+    folder = mq.fresh(OUT / name)
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        ck = tmp / "hf"
+        ck.mkdir()
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy(src / f, ck / f)
+        # A vocabulary below 256 entries has no room for byte-level BPE: one word per id.
+        tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(cfg["vocab_size"])}, unk_token="<t0>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>").save_pretrained(str(ck))
+        f32 = tmp / "f32.gguf"
+        subprocess.run([sys.executable, "-c", CONVERT, str(LLAMA_CPP), "--outtype", "f32", "--outfile", str(f32), str(ck)], check=True)
+        n_exp = cfg["num_experts"]
+        projs = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+        def experts(path: Path):
+            gg = read_tensors(path)
+            out, formats = {}, {}
+            for n in range(cfg["num_hidden_layers"]):
+                for proj, gname in projs.items():
+                    ty, v = gg[f"blk.{n}.{gname}.weight"]
+                    if v.shape[0] != n_exp:
+                        raise SystemExit(f"blk.{n}.{gname}: shape {v.shape}, expected [{n_exp}, rows, cols]")
+                    for e in range(n_exp):
+                        k = f"model.layers.{n}.mlp.experts.{e}.{proj}.weight"
+                        out[k] = np.ascontiguousarray(v[e])
+                        formats[k] = ty
+            return out, formats
+
+        conv, _ = experts(f32)
+        for k, v in conv.items():
+            if not np.array_equal(v, base[k]):
+                raise SystemExit(f"{k}: the converter's expert tensor is not the checkpoint's")
+        qpath = folder / "experts.gguf"
+        # Q8_0 where a row is whole 32-blocks (gate/up: 32 columns); down has 16 columns, so
+        # llama-quantize keeps it in F16. Everything else (ignored by the engine) Q8_0/F16 too.
+        qargs = ["--tensor-type", "ffn_gate_exps=q8_0", "--tensor-type", "ffn_up_exps=q8_0", "Q8_0"]
+        subprocess.run([str(QUANTIZE), *qargs[:-1], str(f32), str(qpath), qargs[-1]], check=True)
+    quant, formats = experts(qpath)
+    kinds = sorted(set(formats.values()))
+    if not set(kinds) <= {"F16", "Q8_0"} or "Q8_0" not in kinds:
+        raise SystemExit(f"unexpected expert types {kinds}")
+    ref = {**base, **quant}
+    model = mq.load_model(cfg, ref)
+    desc = ("qwen4_exp_text/fused: routed experts from experts.gguf, written by llama.cpp's convert_hf_to_gguf.py "
+            f"(qwen4exp) and llama-quantize ({'/'.join(kinds)}); the rest from the fixture's safetensors")
+    mq.save_expected(folder, name, desc, cfg, mq.reference(model, cfg["vocab_size"]), formats)
+    exp = json.loads((folder / "expected.json").read_text())
+    exp["generated_by"]["command"] = "python tools/make_llamacpp_gguf_fixtures.py make_qwen4exp_experts"
+    exp["generated_by"]["llama_cpp"] = "vendored in llama-cpp-python 0.3.36 (convert_hf_to_gguf.py, llama-quantize)"
+    exp["generated_by"]["llama_quantize_args"] = qargs
+    exp["safetensors_from"] = "qwen4_exp_text/fused"
+    (folder / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
+    print(name, kinds, f"{qpath.stat().st_size} bytes")
+
+
 def main() -> None:
     if not QUANTIZE.exists():
         raise SystemExit(f"{QUANTIZE} is missing: build llama-quantize in {LLAMA_CPP} (see the docstring)")
@@ -318,6 +387,8 @@ def main() -> None:
     for i, name in enumerate(MODELS):
         if not only or name in only:
             make(name, 7100 + 10 * i)
+    if not only or "make_qwen4exp_experts" in only:
+        make_qwen4exp_experts()
 
 
 if __name__ == "__main__":

@@ -495,6 +495,31 @@ fn gguf_shape_that_contradicts_the_metadata_is_named() {
 }
 
 #[test]
+fn llamacpp_qwen4exp_experts_beside_safetensors_match_transformers() {
+    // A Flash-Next folder: the tiny fixture's config and safetensors, plus the whole-model
+    // GGUF llama.cpp's converter (qwen4exp) and llama-quantize wrote; only its routed experts
+    // are read.
+    let (_, exp_dir) = llamacpp("qwen4exp_experts");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen4_exp_text/fused");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    std::fs::copy(
+        exp_dir.join("experts.gguf"),
+        dir.path().join("experts.gguf"),
+    )
+    .unwrap();
+    check_files("qwen4exp_experts", dir.path(), &exp_dir);
+    // Alone (no config.json, no safetensors) a qwen4exp file is refused with what to do.
+    let e = load_err(&exp_dir.join("experts.gguf"));
+    assert!(
+        e.contains("\"qwen4exp\" is not supported alone") && e.contains("beside config.json"),
+        "{e}"
+    );
+}
+
+#[test]
 fn llamacpp_recurrent_layers_that_contradict_the_tensors_are_named() {
     // The converter writes qwen35.attention.recurrent_layers (one bool per block): flip block
     // 0's (Gated DeltaNet) to false.

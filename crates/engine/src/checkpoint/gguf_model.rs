@@ -7,9 +7,11 @@
 //!   every tensor from the file.
 //! - **Experts from GGUF, the rest from safetensors** (a Hugging Face folder with a `.gguf`
 //!   beside the safetensors): the file's routed-expert tensors `blk.N.ffn_{gate,up,down}_exps`
-//!   replace the checkpoint's experts of layer N. llama.cpp has no Flash-Next
-//!   (`qwen4_exp_text`) architecture, so only these tensors are taken for it; for a
-//!   `qwen3_5_text` folder every `qwen35` tensor of the file replaces its safetensors twin.
+//!   replace the checkpoint's experts of layer N. For Flash-Next (`qwen4_exp_text`) only these
+//!   tensors are taken, from any GGUF that has them: an experts-only file, or a whole `qwen4exp`
+//!   file as llama.cpp's converter (conversion/qwen4exp.py) writes it, whose other tensors
+//!   (hyper-connections, QSA indexer, PLE) are not mapped here; for a `qwen3_5_text` folder
+//!   every `qwen35` tensor of the file replaces its safetensors twin.
 //!
 //! What llama.cpp's `convert_hf_to_gguf.py` (classes `Qwen3NextModel`,
 //! `_LinearAttentionVReorderBase`, `Qwen3_5TextModel`) does to the tensors, undone here:
@@ -25,6 +27,9 @@
 //!   V channels of conv1d and the columns of `out_proj`;
 //! - the MTP block is written as extra blocks after the last layer (`nextn_predict_layers`
 //!   of them) plus `nextn.*` tensors: those are ignored, as transformers ignores MTP.
+//!
+//! Checked against files written by llama.cpp's own converter and llama-quantize
+//! (tests/fixtures/llamacpp_gguf, tools/make_llamacpp_gguf_fixtures.py).
 //!
 //! The tokenizer is not read from the GGUF metadata: a `tokenizer.json` must sit beside the file.
 
