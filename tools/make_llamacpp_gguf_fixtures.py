@@ -287,7 +287,9 @@ def make(name: str, seed: int) -> None:
         imatrix = tmp / "imatrix.gguf"
         write_imatrix(f32, imatrix, seed + 2)
         qpath = folder / "model.gguf"
-        subprocess.run([str(QUANTIZE), "--imatrix", str(imatrix), *qargs[:-1], str(f32), str(qpath), qargs[-1]], check=True)
+        # Run where the imatrix is, so the file name llama-quantize records is not a temp path.
+        subprocess.run([str(QUANTIZE), "--imatrix", imatrix.name, *qargs[:-1], str(f32), str(qpath.resolve()), qargs[-1]],
+                       check=True, cwd=tmp)
         shutil.copy(ck / "tokenizer.json", folder / "tokenizer.json")
 
     ref, formats = undo(hf, read_tensors(qpath), cfg, nmap)
