@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GGUF files written by llama.cpp itself (its convert_hf_to_gguf.py and llama-quantize), with
-transformers' logits on their dequantized weights: the fixtures of
-crates/engine/tests/llamacpp_gguf.rs.
+transformers' logits on their dequantized weights: the fixtures of the `llamacpp_*` tests in
+crates/engine/tests/quant_models.rs and of crates/cli/tests/llamacpp_gguf.rs.
 
     LLAMA_CPP=/path/to/llama.cpp /work/venv-ref/bin/python tools/make_llamacpp_gguf_fixtures.py
 
@@ -30,6 +30,11 @@ For each model of MODELS:
    ggml's dequantize_row_q2_0, which gguf-py lacks), the transforms undone, transformers run
    on that, and the reference written to crates/engine/tests/fixtures/llamacpp_gguf/<name>/:
    model.gguf (as llama-quantize wrote it), tokenizer.json, expected.json, logits_<i>.f32.
+
+Plus `qwen4exp_experts`: tests/fixtures/qwen4_exp_text/fused through the converter's Flash-Next
+model (qwen4exp) and llama-quantize (Q8_0 gate/up, F16 down: 16 columns are no whole Q8_0
+block); the engine reads only the routed experts of that whole-model file, the rest from the
+fixture's safetensors. Reruns write the same bytes.
 """
 from __future__ import annotations
 
