@@ -5,9 +5,10 @@
 //! `qwen3_5_text` and `qwen4_exp_text` checkpoints as ModelOpt NVFP4 and FP8 safetensors, as
 //! `qwen35` GGUF files laid out as llama.cpp's converter writes them (mixed Q8_0 / Q2_0 / IQ3_S
 //! / IQ3_XXS / IQ2_XS, tied and untied heads, an MTP block to ignore), and as a Flash-Next
-//! folder whose routed experts come from a GGUF file. Each must give transformers' logits
-//! within 1e-3 and the same greedy tokens. The second half feeds corrupt checkpoints and
-//! expects errors that name the tensor.
+//! folder whose routed experts come from a GGUF file; and GGUF files written by llama.cpp's own
+//! converter and llama-quantize (`tests/fixtures/llamacpp_gguf/`, the `llamacpp_*` tests). Each
+//! must give transformers' logits within 1e-3 and the same greedy tokens. The second half feeds
+//! corrupt checkpoints and expects errors that name the tensor.
 
 use capy_engine::backend::cpu::CpuBackend;
 use capy_engine::checkpoint::{write_safetensors, Checkpoint, SafetensorStore};
