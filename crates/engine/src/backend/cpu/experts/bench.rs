@@ -9,8 +9,8 @@
 
 use super::fused::{self, ActSpec, MathPath};
 use super::{
-    moe_experts_with, ExpertLayout, ExpertPool, ExpertSet, ExpertShape, MoeScratch, RowFormat,
-    SplitMix,
+    moe_experts_with, ExpertLayout, ExpertMatrix, ExpertPool, ExpertSet, ExpertShape, MoeScratch,
+    RowFormat, SplitMix,
 };
 use crate::backend::cpu::simd::Isa;
 use anyhow::{bail, Result};
@@ -239,6 +239,12 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         serde_json::Value::Null
     };
     let kind = |f: RowFormat, k: usize| format!("{:?}", ActSpec::new(p.isa, p.path, f, k).kind);
+    let in_cache_gu = in_cache_gbps(p, &set, ExpertMatrix::Gate, p.hidden, 2 * p.intermediate);
+    let in_cache_down = in_cache_gbps(p, &set, ExpertMatrix::Down, p.intermediate, p.hidden);
+    // Bytes per call of gate/up and down, to weigh the two in-cache rates into one.
+    let gu_bytes = (2 * p.intermediate * layout.gate_up_row_bytes) as f64;
+    let down_bytes = (p.hidden * layout.down_row_bytes) as f64;
+    let in_cache = (gu_bytes + down_bytes) / (gu_bytes / in_cache_gu + down_bytes / in_cache_down);
     let weight_bytes = layout.weight_bytes() as f64;
     let pairs = (p.batch * p.top_k) as f64;
     let flops_per_call = 2.0 * pairs * 3.0 * p.hidden as f64 * p.intermediate as f64;
@@ -291,5 +297,50 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         "ms_per_call": total_secs / samples.len().max(1) as f64 * 1e3,
         "tokens_per_s": p.batch as f64 * samples.len() as f64 / total_secs,
         "fast_vs_exact": fast_vs_exact,
+        "in_cache": {
+            "note": "one thread, the kernels alone on rows that stay in cache (no memory stalls): the compute ceiling per core; ratio = threads x that rate / read bandwidth (below 1: the kernels, not memory, limit the decode)",
+            "gate_up_gbps": in_cache_gu,
+            "down_gbps": in_cache_down,
+            "weighted_gbps": in_cache,
+            "in_cache_ratio_to_bandwidth": in_cache * threads as f64 / bandwidth,
+            "iq3s_decode": if ActSpec::new(p.isa, p.path, p.format, p.hidden).iq3s_shuffle { "vpermt2b" } else { "gather" },
+        },
     }))
+}
+
+/// Single-thread GB/s of the fused kernels on the first rows of expert 0's `m` (at most
+/// 128 KiB, read over and over so they stay in cache), one activation vector per call.
+fn in_cache_gbps(p: &BenchParams, set: &ExpertSet, m: ExpertMatrix, k: usize, rows: usize) -> f64 {
+    let fmt = match m {
+        ExpertMatrix::Down => set.layout.down_format,
+        _ => set.layout.format,
+    };
+    let spec = ActSpec::new(p.isa, p.path, fmt, k);
+    // Gate and up rows are interleaved and of one size, so `rows` gate/up rows are contiguous.
+    let start = set.row_range(m, 0).start;
+    let rb = set.row_range(m, 0).len();
+    let n = (128 * 1024 / rb).clamp(1, rows);
+    let bytes = &set.record(0)[start..start + n * rb];
+    let mut rng = SplitMix(p.seed ^ 0xcace);
+    let x: Vec<f32> = (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect();
+    let sl = ActSpec::scales_len(k);
+    let (mut f, mut q, mut s, mut sums) =
+        (vec![0f32; k], vec![0i8; k], vec![0f32; sl], vec![0f32; sl]);
+    fused::prepare(&spec, &x, &mut f, &mut q, &mut s, &mut sums);
+    let act = [fused::Act {
+        f: &f,
+        q: &q,
+        s: &s,
+        sums: &sums,
+    }];
+    let mut out = vec![0f32; n];
+    let mut scratch = vec![0f32; k];
+    let mut calls = 0usize;
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < 0.2 || calls < 10 {
+        fused::dots(&spec, bytes, rb, &act, &mut out, &mut scratch);
+        calls += 1;
+    }
+    std::hint::black_box(&out);
+    (calls * bytes.len()) as f64 / t0.elapsed().as_secs_f64() / 1e9
 }

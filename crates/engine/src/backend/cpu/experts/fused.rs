@@ -83,6 +83,27 @@ pub struct ActSpec {
     pub kind: Kind,
     pub k: usize,
     pub isa: Isa,
+    /// IQ3_S on AVX-512 with VBMI + BITALG: the grid is decoded with in-register byte
+    /// permutes instead of gathers, which wants its own activation order (see [`Self::slot`]).
+    pub iq3s_shuffle: bool,
+}
+
+/// Whether the CPU has AVX-512 VBMI (`vpermt2b`) and BITALG (`vpshufbitqmb`), which the
+/// shuffle-decoded IQ3_S kernels need (detected once; without them the gather kernels run).
+/// `CAPY_CPU_NO_VBMI=1` turns them off, to compare with the gather kernels.
+pub fn has_vbmi_bitalg() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| {
+        if std::env::var("CAPY_CPU_NO_VBMI").is_ok_and(|v| v == "1") {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("avx512bitalg")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
 }
 
 const NVFP4: RowFormat = RowFormat::Nvfp4;
@@ -115,7 +136,22 @@ impl ActSpec {
         } else {
             Kind::Dequant
         };
-        ActSpec { fmt, kind, k, isa }
+        // Mirrors the dispatch in `x86::one`: the AVX-512 fast kernels need VNNI too.
+        let iq3s_shuffle = isa == Isa::Avx512
+            && fmt == IQ3S
+            && has_vbmi_bitalg()
+            && match kind {
+                Kind::Exact => true,
+                Kind::Fast => has_vnni(),
+                Kind::Dequant => false,
+            };
+        ActSpec {
+            fmt,
+            kind,
+            k,
+            isa,
+            iq3s_shuffle,
+        }
     }
 
     /// Where value `i` goes in the prepared vector.
@@ -131,6 +167,20 @@ impl ActSpec {
             (_, RowFormat::Ggml(GgmlType::Q2_0)) => {
                 let (base, r) = (i / 64 * 64, i % 64);
                 base + 16 * (r % 4) + r / 4
+            }
+            // Weight `4e + j` of a 256-block is byte `j` of grid entry `e`; the shuffle
+            // kernels decode byte `j` of all 64 entries into one register. Fast: entry `e` at
+            // `64j + e`. Exact: the register's i32 lane `l` holds entries `4l..4l+4`, byte
+            // `b` of each lane becomes one f32 vector, so entry `4l + b` sits at `64j + 16b + l`.
+            (kind, RowFormat::Ggml(GgmlType::Iq3S)) if self.iq3s_shuffle => {
+                let (base, r) = (i / 256 * 256, i % 256);
+                let (e, j) = (r / 4, r % 4);
+                base + 64 * j
+                    + if kind == Kind::Fast {
+                        e
+                    } else {
+                        16 * (e % 4) + e / 4
+                    }
             }
             _ => i,
         }
@@ -343,6 +393,19 @@ mod x86 {
         }
     }
 
+    /// How far ahead of the current row the weights are prefetched.
+    /// How far ahead of the current row the weights are prefetched (bytes; 4096 unless
+    /// `CAPY_CPU_PREFETCH_BYTES` says otherwise, for tuning on a new machine; 0 turns it off).
+    fn prefetch_bytes() -> usize {
+        static V: OnceLock<usize> = OnceLock::new();
+        *V.get_or_init(|| {
+            std::env::var("CAPY_CPU_PREFETCH_BYTES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(4096)
+        })
+    }
+
     /// Dispatch over ISA and kind; activations in chunks of 4, 2, 1.
     pub(super) unsafe fn dots(
         spec: &ActSpec,
@@ -353,7 +416,24 @@ mod x86 {
     ) {
         let na = acts.len();
         let vnni = has_vnni();
+        // Software prefetch `ahead` bytes in front of the row being computed: a call's rows
+        // are contiguous, but each task starts at a new place of a large expert set and the
+        // hardware streamer restarts at every 4 KiB page, so without it the kernels wait on
+        // memory (seen on the dev VM: loads of the block headers were the hot spots).
+        let ahead = row_bytes * prefetch_bytes().div_ceil(row_bytes);
+        let end = rows.as_ptr_range().end as usize;
+        let mut pf = rows.as_ptr() as usize;
+        let mut pf_to = (pf + ahead).min(end);
+        while pf < pf_to {
+            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            pf += 64;
+        }
         for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+            pf_to = (row.as_ptr() as usize + row_bytes + ahead).min(end);
+            while pf < pf_to {
+                _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+                pf += 64;
+            }
             let mut a0 = 0;
             while a0 < na {
                 let n = match na - a0 {
@@ -393,9 +473,13 @@ mod x86 {
         let k = spec.k;
         match (spec.isa, spec.kind, spec.fmt) {
             (Isa::Avx512, Kind::Exact, NVFP4) => nvfp4_exact_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_shuffle => {
+                iq3s_exact_vbmi::<N>(row, k, a)
+            }
             (Isa::Avx512, Kind::Exact, IQ3S) => iq3s_exact_avx512::<N>(row, k, a),
             (Isa::Avx512, Kind::Exact, Q2_0) => q2_0_exact_avx512::<N>(row, k, a),
             (Isa::Avx512, Kind::Fast, NVFP4) if vnni => nvfp4_fast_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Fast, IQ3S) if spec.iq3s_shuffle => iq3s_fast_vbmi::<N>(row, k, a),
             (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N>(row, k, a),
             (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512::<N>(row, k, a),
             (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2::<N>(row, k, a),
@@ -840,6 +924,168 @@ mod x86 {
         out
     }
 
+    /// Byte `j` of every IQ3_S grid entry, as `[j][entry]`: eight 64-byte tables per byte,
+    /// the operands of the `vpermt2b` decode.
+    #[repr(C, align(64))]
+    struct GridBytes([[u8; 512]; 4]);
+
+    static IQ3S_GRID_BYTES: GridBytes = {
+        let mut t = [[0u8; 512]; 4];
+        let mut e = 0;
+        while e < 512 {
+            let mut j = 0;
+            while j < 4 {
+                t[j][e] = (IQ3S_GRID[e] >> (8 * j)) as u8;
+                j += 1;
+            }
+            e += 1;
+        }
+        GridBytes(t)
+    };
+
+    /// Byte `j` of the grid entries of one IQ3_S block (64 entries, entry `e` in byte `e`),
+    /// unsigned. The 9-bit index is `qs[e] | qh bit e << 8`: bits 0–6 pick a byte of a
+    /// 128-byte table pair, bit 7 and the qh bit pick the pair. `region[r]` holds the entries
+    /// of pair `r`; a chain of masked `vpermi2b` (which keep the index byte where the mask is
+    /// clear) decodes each region in place, so no blends are needed.
+    #[inline(always)]
+    unsafe fn iq3s_grid_byte_vbmi(qs: __m512i, region: [__mmask64; 4], j: usize) -> __m512i {
+        let t = IQ3S_GRID_BYTES.0[j].as_ptr() as *const __m512i;
+        let q = |n: usize| _mm512_load_si512(t.add(n));
+        let mut r = qs;
+        for (n, &k) in region.iter().enumerate() {
+            r = _mm512_mask2_permutex2var_epi8(q(2 * n), r, k, q(2 * n + 1));
+        }
+        r
+    }
+
+    /// The four table-pair regions of a block's 64 entries (see [`iq3s_grid_byte_vbmi`]).
+    #[inline(always)]
+    unsafe fn iq3s_regions(qs: __m512i, p: *const u8) -> [__mmask64; 4] {
+        let k7 = _mm512_movepi8_mask(qs);
+        let kh = (p.add(66) as *const u64).read_unaligned();
+        [!k7 & !kh, k7 & !kh, !k7 & kh, k7 & kh]
+    }
+
+    /// Selector of `vpshufbitqmb` for byte `j`: result bit `8q + m` (entry `8q + m`) takes
+    /// bit `4m + j` of qword `q`, which holds the sign bits of entries `8q..8q+8`.
+    #[inline(always)]
+    unsafe fn iq3s_sign_sel(j: usize) -> __m512i {
+        let j = j as i64;
+        let v = (0..8).fold(0i64, |acc, m| acc | ((4 * m + j) << (8 * m)));
+        _mm512_set1_epi64(v)
+    }
+
+    /// The eight sub-block scales `d · (1 + 2s)` of a block, lane `l` holding sub-block `l / 2`.
+    #[inline(always)]
+    unsafe fn iq3s_scales_vbmi(p: *const u8, d: f32) -> __m512 {
+        let nib = _mm512_and_si512(
+            _mm512_srlv_epi32(
+                _mm512_set1_epi32((p.add(106) as *const i32).read_unaligned()),
+                _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28),
+            ),
+            _mm512_set1_epi32(15),
+        );
+        let odd = _mm512_add_epi32(_mm512_slli_epi32::<1>(nib), _mm512_set1_epi32(1));
+        _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(odd))
+    }
+
+    #[inline(always)]
+    unsafe fn dup8_avx512(s: *const f32) -> __m512 {
+        _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+            _mm512_castps256_ps512(_mm256_loadu_ps(s)),
+        )
+    }
+
+    #[target_feature(
+        enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c"
+    )]
+    unsafe fn iq3s_fast_vbmi<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let zero = _mm512_setzero_si512();
+        let sel = [
+            iq3s_sign_sel(0),
+            iq3s_sign_sel(1),
+            iq3s_sign_sel(2),
+            iq3s_sign_sel(3),
+        ];
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let qs = _mm512_loadu_si512(p.add(2) as *const _);
+            let region = iq3s_regions(qs, p);
+            let signs = _mm512_cvtepu32_epi64(_mm256_loadu_si256(p.add(74) as *const __m256i));
+            let mut isum = [zero; N];
+            for (j, &sel_j) in sel.iter().enumerate() {
+                let w = iq3s_grid_byte_vbmi(qs, region, j);
+                let neg = _mm512_bitshuffle_epi64_mask(signs, sel_j);
+                for t in 0..N {
+                    let x = _mm512_loadu_si512(a[t].q.add(256 * blk + 64 * j) as *const _);
+                    let xs = _mm512_mask_sub_epi8(x, neg, zero, x);
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], w, xs);
+                }
+            }
+            let db = iq3s_scales_vbmi(p, f16(p));
+            for t in 0..N {
+                let sc = _mm512_mul_ps(db, dup8_avx512(a[t].s.add(8 * blk)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), sc, acc[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
+    unsafe fn iq3s_exact_vbmi<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let zero = _mm512_setzero_si512();
+        let sel = [
+            iq3s_sign_sel(0),
+            iq3s_sign_sel(1),
+            iq3s_sign_sel(2),
+            iq3s_sign_sel(3),
+        ];
+        let mut acc = [_mm512_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let qs = _mm512_loadu_si512(p.add(2) as *const _);
+            let region = iq3s_regions(qs, p);
+            let signs = _mm512_cvtepu32_epi64(_mm256_loadu_si256(p.add(74) as *const __m256i));
+            let mut tmp = [[_mm512_setzero_ps(); 2]; N];
+            for (j, &sel_j) in sel.iter().enumerate() {
+                let w = iq3s_grid_byte_vbmi(qs, region, j);
+                let neg = _mm512_bitshuffle_epi64_mask(signs, sel_j);
+                // Signed weight bytes; byte b of each i32 lane sign-extended by two shifts
+                // (no lane-crossing unpack: the activations are laid out to match).
+                let sw = _mm512_mask_sub_epi8(w, neg, zero, w);
+                let f = [
+                    _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(sw))),
+                    _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(sw))),
+                    _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(sw))),
+                    _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(sw)),
+                ];
+                for t in 0..N {
+                    let xp = a[t].f.add(256 * blk + 64 * j);
+                    for (b, fb) in f.iter().enumerate() {
+                        tmp[t][b % 2] =
+                            _mm512_fmadd_ps(*fb, _mm512_loadu_ps(xp.add(16 * b)), tmp[t][b % 2]);
+                    }
+                }
+            }
+            let db = iq3s_scales_vbmi(p, f16(p));
+            for t in 0..N {
+                acc[t] = _mm512_fmadd_ps(_mm512_add_ps(tmp[t][0], tmp[t][1]), db, acc[t]);
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps(acc[t]);
+        }
+        out
+    }
+
     // ---- Q2_0 ---------------------------------------------------------------------------
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1007,8 +1253,11 @@ mod tests {
     #[test]
     fn slots_are_a_permutation() {
         for fmt in [NVFP4, IQ3S, Q2_0] {
-            for path in [MathPath::Exact, MathPath::Fast] {
-                let spec = ActSpec::new(Isa::Avx2, path, fmt, 1024);
+            for (isa, path) in [Isa::Avx2, Isa::Avx512]
+                .into_iter()
+                .flat_map(|i| [(i, MathPath::Exact), (i, MathPath::Fast)])
+            {
+                let spec = ActSpec::new(isa, path, fmt, 1024);
                 let mut seen = vec![false; 1024];
                 for i in 0..1024 {
                     let s = spec.slot(i);
@@ -1030,6 +1279,72 @@ mod tests {
             eprintln!("skipping AVX-512 fused kernels: this CPU lacks AVX-512");
         }
         v
+    }
+
+    /// The shuffle-decoded IQ3_S kernels (VBMI) against the gather ones, on both paths.
+    #[test]
+    fn iq3s_shuffle_decode_matches_the_gather_kernels() {
+        if !(Isa::best_supported() >= Isa::Avx512 && has_vbmi_bitalg() && has_vnni()) {
+            eprintln!("skipping: this CPU lacks AVX-512 VBMI/BITALG/VNNI");
+            return;
+        }
+        let k = 1024;
+        let layout = ExpertLayout::new(
+            IQ3S,
+            IQ3S,
+            ExpertShape {
+                hidden: k,
+                intermediate: k,
+            },
+        )
+        .unwrap();
+        let mut set = ExpertSet::zeroed(layout, 1);
+        set.randomize(11);
+        let rows = 5;
+        let rb = layout.gate_up_row_bytes;
+        let mut bytes = Vec::new();
+        for r in 0..rows {
+            bytes.extend_from_slice(set.row(0, ExpertMatrix::Gate, r));
+        }
+        let mut rng = SplitMix(4);
+        let xs: Vec<Vec<f32>> = (0..3)
+            .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
+            .collect();
+        for path in [MathPath::Exact, MathPath::Fast] {
+            let mut outs = Vec::new();
+            for shuffle in [true, false] {
+                let mut spec = ActSpec::new(Isa::Avx512, path, IQ3S, k);
+                assert!(spec.iq3s_shuffle);
+                spec.iq3s_shuffle = shuffle;
+                let sl = ActSpec::scales_len(k);
+                let mut bufs: Vec<ActBuffers> = (0..xs.len())
+                    .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
+                    .collect();
+                for (x, b) in xs.iter().zip(bufs.iter_mut()) {
+                    prepare(&spec, x, &mut b.0, &mut b.1, &mut b.2, &mut b.3);
+                }
+                let acts: Vec<Act<'_>> = bufs
+                    .iter()
+                    .map(|b| Act {
+                        f: &b.0,
+                        q: &b.1,
+                        s: &b.2,
+                        sums: &b.3,
+                    })
+                    .collect();
+                let mut out = vec![0f32; rows * xs.len()];
+                dots(&spec, &bytes, rb, &acts, &mut out, &mut vec![0f32; k]);
+                outs.push(out);
+            }
+            for (i, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                // Same integer (fast) or float (exact) terms, summed in another order.
+                assert!(
+                    (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0),
+                    "{}: [{i}] shuffle {a} vs gather {b}",
+                    path.name()
+                );
+            }
+        }
     }
 
     /// Every fused kernel against the scalar reference, on random rows, for 1–7 activations.
