@@ -334,6 +334,9 @@ pub struct MoeScratch {
     /// Per-worker dequantisation buffers of `max(H, I)` values (formats without a fused
     /// kernel).
     rows: Vec<SharedBuf<f32>>,
+    /// Phase-1 tasks finished per active expert: the worker finishing an expert's last one
+    /// prepares its pairs' `h` for the down rows (saves a pool barrier per call).
+    blocks_done: Vec<AtomicUsize>,
 }
 
 /// Prepared activation vectors (see [`fused::prepare`]), `k` values each.
@@ -428,6 +431,7 @@ impl MoeScratch {
             rows: (0..workers)
                 .map(|_| SharedBuf::new(shape.hidden.max(shape.intermediate)))
                 .collect(),
+            blocks_done: (0..max_pairs).map(|_| AtomicUsize::new(0)).collect(),
         }
     }
 }
@@ -435,7 +439,7 @@ impl MoeScratch {
 /// Gate/up row pairs per phase-1 task, output rows per phase-2 task, and the most pairs of
 /// one expert handed to a kernel at once.
 const GATE_UP_ROWS_PER_TASK: usize = 16;
-const DOWN_ROWS_PER_TASK: usize = 32;
+const DOWN_ROWS_PER_TASK: usize = 16;
 const PAIRS_PER_CHUNK: usize = 32;
 
 /// `out[t] += Σ_k weights[t·k] · expert_{ids[t·k]}(x[t])` for `n = x.len() / H` tokens, on
@@ -547,13 +551,13 @@ pub fn moe_experts_with(
         s.pairs[*cursor as usize] = ((p / top_k) as u32, w);
         *cursor += 1;
     }
-    let n_pairs = ids.len();
 
     let l = set.layout;
     let gu_spec = fused::ActSpec::new(isa, path, l.format, h_dim);
     let down_spec = fused::ActSpec::new(isa, path, l.down_format, i_dim);
     let (active, active_start, pairs, hbuf, rows) =
         (&s.active, &s.active_start, &s.pairs, &s.h, &s.rows);
+    let blocks_done = &s.blocks_done[..active.len()];
     let (x_act, h_act) = (&s.x_act, &s.h_act);
     let empty = Act {
         f: &[],
@@ -562,16 +566,28 @@ pub fn moe_experts_with(
         sums: &[],
     };
 
-    // Phase 0: tokens into the gate/up kernels' activation layout.
-    let next = AtomicUsize::new(0);
-    pool.run(&|_| loop {
-        let t = next.fetch_add(1, Ordering::Relaxed);
-        if t >= n {
-            break;
+    // Phase 0: tokens into the gate/up kernels' activation layout. A decode step's one or
+    // two tokens are prepared here: a pool call would idle every other worker and add a
+    // barrier.
+    if n <= 2 {
+        for t in 0..n {
+            // SAFETY: no worker runs; token t's vectors have no other reference.
+            unsafe { x_act.prepare(&gu_spec, t, &x[t * h_dim..(t + 1) * h_dim]) };
         }
-        // SAFETY: token t's vectors are written by this task only.
-        unsafe { x_act.prepare(&gu_spec, t, &x[t * h_dim..(t + 1) * h_dim]) };
-    });
+    } else {
+        let next = AtomicUsize::new(0);
+        pool.run(&|_| loop {
+            let t = next.fetch_add(1, Ordering::Relaxed);
+            if t >= n {
+                break;
+            }
+            // SAFETY: token t's vectors are written by this task only.
+            unsafe { x_act.prepare(&gu_spec, t, &x[t * h_dim..(t + 1) * h_dim]) };
+        });
+    }
+    for d in blocks_done {
+        d.store(0, Ordering::Relaxed); // published by the pool's start of phase 1
+    }
 
     // Phase 1: h[pair] = silu(gate · x) ⊙ (up · x); tasks are (expert, block of row pairs),
     // so the ~10 experts of a decode step spread over every core.
@@ -622,18 +638,16 @@ pub fn moe_experts_with(
                 }
                 done += chunk;
             }
+            // Phase 1b: the last task of expert `a` puts its pairs' h into the down kernels'
+            // layout. AcqRel: this RMW reads the others' releases, so their h rows are seen.
+            if blocks_done[a].fetch_add(1, Ordering::AcqRel) + 1 == blocks_per_expert {
+                for p in p0..p1 {
+                    // SAFETY: all of expert a's h rows are written; pair p's vectors are
+                    // written by this task only and read after the phase's barrier.
+                    unsafe { h_act.prepare(&down_spec, p, hbuf.slice(p * i_dim..(p + 1) * i_dim)) };
+                }
+            }
         }
-    });
-
-    // Phase 1b: each pair's h into the down kernels' activation layout.
-    let next = AtomicUsize::new(0);
-    pool.run(&|_| loop {
-        let p = next.fetch_add(1, Ordering::Relaxed);
-        if p >= n_pairs {
-            break;
-        }
-        // SAFETY: phase 1 finished (barrier); pair p's vectors are written by this task only.
-        unsafe { h_act.prepare(&down_spec, p, hbuf.slice(p * i_dim..(p + 1) * i_dim)) };
     });
 
     // Phase 2: out[token][j] += w · (down_e[j] · h[pair]), experts in id order; tasks are
