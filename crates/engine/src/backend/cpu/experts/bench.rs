@@ -66,6 +66,8 @@ fn cpu_features() -> Vec<&'static str> {
             "avx512bw",
             "avx512vl",
             "avx512vnni",
+            "avx512vbmi",
+            "avx512bitalg",
             "avxvnni"
         );
     }
