@@ -73,6 +73,8 @@ fn quant_functions() -> Vec<String> {
         .map(|rows| format!("quant_matvec_{rows}"))
         .collect();
     v.push("quant_dequant_rows".into());
+    v.push("quant_matvec_nvfp4_q8".into());
+    v.push("quant_matvec_iq3s_q8".into());
     v
 }
 

@@ -33,6 +33,10 @@ use std::sync::{Arc, Mutex};
 
 /// Rows up to which a linear layer uses the matvec kernel instead of cuBLAS.
 pub const MATVEC_MAX_ROWS: usize = 8;
+/// Widest input the int8 decode matvec takes (its shared memory holds x as int8).
+const QMV8_MAX_COLS: usize = 32768;
+/// Warps per block of the int8 decode matvec (each block quantizes x once for all of them).
+const QMV8_WARPS: usize = 16;
 /// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
 /// split-KV kernel.
 const ATTENTION_GEMM_MIN_ROWS: usize = 16;
@@ -44,7 +48,7 @@ const QUANT_SCRATCH_ELEMS: usize = 64 << 20;
 /// Bytes of workspace the chunked delta rule may use at once (it runs long prompts in segments).
 const GDR_WORKSPACE_BYTES: usize = 128 << 20;
 /// Kernels that take more than the default 48 KiB of dynamic shared memory.
-const LARGE_SMEM_KERNELS: [&str; 2] = ["gdr_chunk_prep", "gdr_chunk_scan"];
+const LARGE_SMEM_KERNELS: [&str; 3] = ["gdr_chunk_prep", "gdr_chunk_scan", "quant_matvec_iq3s_q8"];
 /// The oldest driver API version accepted: CUDA 13.0 (driver R580).
 pub const MIN_DRIVER: i32 = 13000;
 
@@ -818,6 +822,48 @@ impl CudaBackend {
         ptr
     }
 
+    /// The int8 (dp4a) decode matvec for one input row on the fast path, where the format and
+    /// shape allow it: (kernel, dynamic shared bytes, rows per warp). Exact math, several rows,
+    /// ragged widths and unaligned rows keep the f32 kernels.
+    fn int8_matvec_plan(
+        &self,
+        x: &CudaTensor,
+        w: &CudaMatrix,
+        q: QuantLayout,
+    ) -> Option<(&'static str, u32, i32)> {
+        if self.inner.exact || x.rows != 1 || !w.cols.is_multiple_of(256) || w.cols > QMV8_MAX_COLS
+        {
+            return None;
+        }
+        let spr = w.cols / 256;
+        use crate::quant::GgmlType as G;
+        let (name, sb_bytes, table_bytes) = match q.format {
+            RowFormat::Nvfp4 => ("quant_matvec_nvfp4_q8", 144, 1024),
+            // Grid table, sign masks and one 32-block staging buffer per warp.
+            RowFormat::Ggml(G::Iq3S) => {
+                ("quant_matvec_iq3s_q8", 110, 2048 + 64 + QMV8_WARPS * 3520)
+            }
+            _ => return None,
+        };
+        if q.row_bytes != spr * sb_bytes
+            || !q.row_bytes.is_multiple_of(8)
+            || !w.buf.ptr.is_multiple_of(16)
+        {
+            return None;
+        }
+        // A warp's rows must start on 16 bytes (IQ3_S rows of 8 mod 16 bytes: an even count).
+        let even = !q.row_bytes.is_multiple_of(16);
+        // About 16 warps per SM in one pass; enough rows per warp that its lanes have work.
+        let sms = self.inner.info.multiprocessors.max(1) as usize;
+        let mut rpw = (w.rows / (sms * 16)).clamp(1, 8);
+        rpw = rpw.max(32usize.div_ceil(spr)).min(8);
+        if even && !rpw.is_multiple_of(2) {
+            rpw += 1;
+        }
+        let smem = spr * (272 + 48) + table_bytes;
+        Some((name, smem as u32, rpw as i32))
+    }
+
     /// Rows `r0..r0 + rows` of a quantized matrix (or rows `ids`, when given) widened into
     /// `dst` as f32 or BF16.
     #[allow(clippy::too_many_arguments)]
@@ -1360,7 +1406,12 @@ impl Backend for CudaBackend {
             let zeros = self.zeros(x.rows, w.rows);
             return zeros;
         }
-        if let (Some(q), true) = (w.quant, x.rows <= MATVEC_MAX_ROWS) {
+        if let Some((name, smem, rpw)) = w.quant.and_then(|q| self.int8_matvec_plan(x, w, q)) {
+            let q = w.quant.expect("checked");
+            let warps = ceil_div(w.rows, rpw as usize);
+            launch!(self, name, (ceil_div(warps, QMV8_WARPS) as u32, 1, 1), (32 * QMV8_WARPS as u32, 1, 1), smem;
+                w.buf.ptr, x.ptr(), out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier, rpw);
+        } else if let (Some(q), true) = (w.quant, x.rows <= MATVEC_MAX_ROWS) {
             let name = format!("quant_matvec_{}", x.rows);
             let rows_per_block = 8 * 4; // 8 warps of QMV_RPW rows
             launch!(self, &name, (ceil_div(w.rows, rows_per_block) as u32, 1, 1), (256, 1, 1), 0;
