@@ -59,7 +59,21 @@ pub struct BenchHybridArgs {
     pub threads: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Measure memory instead of speed: every layer's experts at full size in host RAM
+    /// (page-locked as the loader does), the dense weights and the expert cache on the device;
+    /// peak resident RAM against --promise and the RAM/VRAM ledgers against the OS and driver.
+    #[arg(long)]
+    pub footprint: bool,
+    /// The configuration table's RAM promise for --footprint (default: 75GiB for nvfp4, the
+    /// NVFP4 default build; 56GiB otherwise, the 64 GB edition's GSQ-RCO experts).
+    #[arg(long, value_parser = parse_bytes)]
+    pub promise: Option<u64>,
 }
+
+/// Flash-Next's MoE layers (MODELS.md; the MTP layer's experts are not loaded).
+const MODEL_LAYERS: usize = 48;
+/// The largest dense tensor: the BF16 embedding, 248320 × 2560.
+const LARGEST_DENSE_TENSOR: u64 = 248_320 * 2560 * 2;
 
 pub fn run_bench(a: BenchHybridArgs) -> Result<Value> {
     let format = RowFormat::parse(&a.format)?;
@@ -82,11 +96,14 @@ pub fn run_bench(a: BenchHybridArgs) -> Result<Value> {
         "gdn_state": GDN_STATE_BYTES, "reserve": RESERVE_BYTES, "expert_cache": cache_bytes,
     });
     eprintln!("VRAM ledger (bytes): {ledger}");
+    if a.footprint {
+        return footprint(&a, format, down_format, cache_bytes, ledger);
+    }
     let mut opts = HybridBenchOptions {
         format,
         down_format,
         layers: a.layers,
-        model_layers: 48,
+        model_layers: MODEL_LAYERS,
         experts: a.experts,
         top_k: a.top_k,
         hidden: a.hidden,
@@ -115,4 +132,63 @@ fn run_cuda(opts: &mut HybridBenchOptions) -> Result<Value> {
     // The 27B bench's convention: weight bytes ÷ device copy bandwidth (read + write).
     opts.device_bandwidth = Some(b.measure_copy_bandwidth(1 << 30, 20)?);
     run(&b, opts)
+}
+
+fn footprint(
+    a: &BenchHybridArgs,
+    format: RowFormat,
+    down_format: RowFormat,
+    cache_bytes: u64,
+    ledger: Value,
+) -> Result<Value> {
+    use capy_engine::backend::cpu::experts::{ExpertLayout, ExpertShape};
+    use capy_engine::hybrid::memory::{full_size_footprint, FootprintOptions};
+    let promise = a.promise.unwrap_or(if format == RowFormat::Nvfp4 {
+        75 << 30
+    } else {
+        56 << 30
+    });
+    let o = FootprintOptions {
+        layout: ExpertLayout::new(
+            format,
+            down_format,
+            ExpertShape {
+                hidden: a.hidden,
+                intermediate: a.intermediate,
+            },
+        )?,
+        layers: a.layers,
+        experts: a.experts,
+        dense_bytes: DENSE_BYTES,
+        largest_dense_tensor_bytes: LARGEST_DENSE_TENSOR,
+        cache_bytes,
+        promise_bytes: promise,
+        seed: a.seed,
+    };
+    let mut record = match a.backend.as_str() {
+        "cpu" => full_size_footprint(&CpuBackend::new(), &o, &|| None)?,
+        "cuda" => {
+            use capy_engine::backend::cuda::CudaBackend;
+            let b = CudaBackend::new(0, Some(a.vram_budget))?;
+            let used = || {
+                let l = b.ledger();
+                b.device_memory_used()
+                    .ok()
+                    .map(|d| (l.used + b.pooled_bytes(), d))
+            };
+            full_size_footprint(&b, &o, &used)?
+        }
+        other => bail!("--backend {other:?}: expected cuda or cpu"),
+    };
+    record["bench"] = json!("hybrid-footprint");
+    record["backend"] = json!(a.backend);
+    record["vram_budget"] = json!(a.vram_budget);
+    record["vram_plan"] = ledger;
+    if a.layers != MODEL_LAYERS || a.experts != 512 {
+        record["note_scale"] = json!(format!(
+            "{} layers × {} experts: not the full model ({MODEL_LAYERS} × 512), so the promise does not apply",
+            a.layers, a.experts
+        ));
+    }
+    Ok(record)
 }

@@ -128,6 +128,9 @@ impl BackendArg {
             page_locked_limit: Some(machine.page_locked.cap_bytes),
             ..Default::default()
         };
+        let handle = backend.clone();
+        let driver_before = handle.device_memory_used().ok();
+        let ledger_before = handle.ledger().used + handle.pooled_bytes();
         let h =
             load_flash_next(backend, ck, &o).context("loading Flash-Next with hybrid experts")?;
         let r = &h.report;
@@ -143,6 +146,29 @@ impl BackendArg {
         );
         if let Some(w) = &r.warning {
             eprintln!("warning: {w}");
+        }
+        // The ledgers beside what the OS and the driver say the load took.
+        if let Some(c) = &r.store_memory {
+            eprintln!(
+                "capy-flash: RAM ledger: host store {:.2} GiB; resident anonymous memory grew {:.2} GiB building it (ratio {:.3}), {:.2} GiB over the whole load; resident now {:.2} GiB, peak {:.2} GiB",
+                gib(c.ledger_bytes),
+                gib(c.measured_bytes),
+                c.measured_to_ledger_ratio,
+                gib(r.load_anon_growth_bytes),
+                gib(r.process_after_load.map_or(0, |p| p.rss)),
+                gib(r.process_after_load.map_or(0, |p| p.rss_peak)),
+            );
+        }
+        if let (Some(d0), Ok(d1)) = (driver_before, handle.device_memory_used()) {
+            let ledger =
+                (handle.ledger().used + handle.pooled_bytes()).saturating_sub(ledger_before);
+            let c = capy_engine::hybrid::memory::MemoryCheck::new(ledger, d1.saturating_sub(d0));
+            eprintln!(
+                "capy-flash: VRAM ledger: {:.2} GiB allocated by the load; the driver's used memory grew {:.2} GiB (ratio {:.3})",
+                gib(c.ledger_bytes),
+                gib(c.measured_bytes),
+                c.measured_to_ledger_ratio
+            );
         }
         Ok(Box::new(h.model))
     }

@@ -150,18 +150,14 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
         o.format.name(),
         o.layers as f64 * o.experts as f64 * layout.record_bytes as f64 / 1e9
     );
-    let sets: Vec<Arc<ExpertSet>> = (0..o.layers)
-        .map(|l| {
-            let mut set = ExpertSet::zeroed(layout, o.experts);
-            set.randomize(o.seed.wrapping_add(l as u64));
-            // One tensor scale for gate and up, as checkpoints that fuse them have.
-            for e in 0..o.experts {
-                let [g, _, d] = set.multipliers(e);
-                set.set_multipliers(e, [g, g, d]);
-            }
-            Arc::new(set)
-        })
-        .collect();
+    let mem_before = super::memory::ProcessMemory::now();
+    let sets = super::memory::synthetic_store(layout, o.layers, o.experts, o.seed);
+    let mem_store = super::memory::ProcessMemory::now();
+    let store_bytes: u64 = sets.iter().map(|s| s.bytes() as u64).sum();
+    let store_check = super::memory::MemoryCheck::new(
+        store_bytes,
+        super::memory::anon_growth(mem_before, mem_store),
+    );
     // read_bandwidth reports GB/s.
     let ram_bandwidth = read_bandwidth(&pool, o.bandwidth_probe_bytes, 3) * 1e9;
 
@@ -233,6 +229,13 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
             "device_bytes_per_s": device_bandwidth,
             "device_bandwidth_measured": o.device_bandwidth.is_some(),
             "expert_upload_bytes_per_s": upload_rate,
+        },
+        "host_store_ledger": {
+            "ledger_bytes": store_check.ledger_bytes,
+            "anon_growth_bytes": store_check.measured_bytes,
+            "measured_to_ledger_ratio": store_check.measured_to_ledger_ratio,
+            "within_5_percent": store_check.within_5_percent,
+            "process_after_store": mem_store,
         },
         "with_cache": report(&cached),
         "all_on_cpu": report(&all_cpu),

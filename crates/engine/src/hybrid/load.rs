@@ -9,6 +9,7 @@
 use super::expert_cache::{ExpertCache, ExpertCacheConfig};
 use super::experts::{HybridExperts, Placement};
 use super::host_store::pack_float_experts;
+use super::memory::{anon_growth, MemoryCheck, ProcessMemory};
 use crate::backend::cpu::experts::{ExpertPool, ExpertSet, ExpertShape};
 use crate::backend::cpu::simd::Isa;
 use crate::backend::Backend;
@@ -71,6 +72,14 @@ pub struct HybridReport {
     pub pageable_bytes: usize,
     /// Why part of the store stayed pageable, with the numbers.
     pub warning: Option<String>,
+    /// The RAM ledger (the host store) against the process's resident anonymous growth while
+    /// the store was built; `None` where the OS has no counters.
+    pub store_memory: Option<MemoryCheck>,
+    /// Resident anonymous growth over the whole load (store, dense weights held in RAM by a
+    /// CPU backend, transient upload buffers that were freed are not in it).
+    pub load_anon_growth_bytes: u64,
+    /// The process after the load.
+    pub process_after_load: Option<ProcessMemory>,
 }
 
 /// Which layers' stores to page-lock: in layer order while they fit under `limit`.
@@ -178,6 +187,7 @@ pub fn load_flash_next<B: Backend>(
     let flash = ck.config.qwen4_exp()?;
     let layers = ck.config.num_hidden_layers;
     let experts = flash.moe.num_experts;
+    let mem_before = ProcessMemory::now();
     // The host store first: its record size decides the cache's slot count.
     let sets: Vec<Arc<ExpertSet>> = (0..layers)
         .map(|l| {
@@ -188,6 +198,7 @@ pub fn load_flash_next<B: Backend>(
             host_expert_set(ck, &prefix).map(Arc::new)
         })
         .collect::<Result<_>>()?;
+    let mem_store = ProcessMemory::now();
     let layout = sets[0].layout;
     let expert_bytes = layout.weight_bytes();
     let cache_slots = o.cache_bytes / expert_bytes.max(1);
@@ -230,6 +241,9 @@ pub fn load_flash_next<B: Backend>(
         pinned_bytes: 0,
         pageable_bytes: 0,
         warning: None,
+        store_memory: None,
+        load_anon_growth_bytes: 0,
+        process_after_load: None,
     };
     let mut make = |device: &B, layer: usize, _prefix: &str| -> Result<Box<dyn RoutedExperts<B>>> {
         let placement = match &cache {
@@ -285,6 +299,12 @@ pub fn load_flash_next<B: Backend>(
     if let Some(w) = &report.warning {
         tracing::warn!("{w}");
     }
+    let mem_after = ProcessMemory::now();
+    report.store_memory = mem_store
+        .is_some()
+        .then(|| MemoryCheck::new(host_bytes as u64, anon_growth(mem_before, mem_store)));
+    report.load_anon_growth_bytes = anon_growth(mem_before, mem_after);
+    report.process_after_load = mem_after;
     Ok(HybridModel {
         model,
         cache,

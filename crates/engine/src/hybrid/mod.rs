@@ -5,6 +5,7 @@
 //! - [`experts`]: the MoE layer's routed experts computed on both sides and summed;
 //! - [`host_store`]: packing experts into the CPU kernels' record layout;
 //! - [`load`]: Flash-Next loaded with its experts in the host store and a VRAM cache;
+//! - [`memory`]: the RAM/VRAM ledgers against what the process holds;
 //! - [`cost_model`]: when a prefill should stream experts to the GPU instead;
 //! - [`zipf`]: skewed routing for the benches; [`bench`]: the hybrid expert decode bench.
 
@@ -14,6 +15,7 @@ pub mod expert_cache;
 pub mod experts;
 pub mod host_store;
 pub mod load;
+pub mod memory;
 pub mod split;
 pub mod zipf;
 

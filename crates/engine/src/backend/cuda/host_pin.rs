@@ -55,3 +55,20 @@ impl CudaBackend {
         ))
     }
 }
+
+impl CudaBackend {
+    /// The driver's view of this device's memory: `(free, total)` bytes (`cuMemGetInfo`), for
+    /// checking the VRAM ledger against what the process (and the context) really holds.
+    pub fn device_memory_info(&self) -> Result<(u64, u64)> {
+        self.inner.ctx.bind_to_thread()?;
+        let (free, total) =
+            cudarc::driver::result::mem_get_info().context("cuMemGetInfo failed")?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// Device bytes in use by every process and context on this GPU (`total − free`).
+    pub fn device_memory_used(&self) -> Result<u64> {
+        let (free, total) = self.device_memory_info()?;
+        Ok(total - free)
+    }
+}
