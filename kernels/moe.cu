@@ -120,8 +120,10 @@ extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weigh
 // groups [G, 4] u64: gate_up pointer, down pointer, first slot, row count (≤ MOE_MAX_ROWS).
 // rows [slots]: the batch row of each slot. x [n, hidden] → act [slots, inter] =
 // silu(gate · x) · (up · x). grid (ceil(inter / warps), G); one warp per output column.
+// `interleaved`: gate_up rows alternate gate, up (the hybrid cache's copies of host records)
+// instead of all gate rows then all up rows.
 extern "C" __global__ void moe_gate_up(const u64* groups, const u32* rows, const float* x, float* act, int dt,
-                                       int hidden, int inter) {
+                                       int hidden, int inter, int interleaved) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= inter) return;
@@ -129,8 +131,8 @@ extern "C" __global__ void moe_gate_up(const u64* groups, const u32* rows, const
     const char* w = (const char*)g[0];
     const int off = (int)g[2], cnt = (int)g[3];
     const u64 es = dt_size(dt);
-    const char* wg = w + (u64)o * hidden * es;
-    const char* wu = w + (u64)(inter + o) * hidden * es;
+    const char* wg = w + (u64)(interleaved ? 2 * o : o) * hidden * es;
+    const char* wu = w + (u64)(interleaved ? 2 * o + 1 : inter + o) * hidden * es;
     const float* xr[MOE_MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < MOE_MAX_ROWS; r++) xr[r] = x + (u64)rows[off + min(r, cnt - 1)] * hidden;
@@ -236,6 +238,17 @@ extern "C" __global__ void moe_swiglu_halves(const float* gu, float* act, u64 ro
         const u64 r = i / inter;
         const int j = (int)(i - r * inter);
         act[i] = silu_f(gu[r * 2 * inter + j]) * gu[r * 2 * inter + inter + j];
+    }
+}
+
+// gu [rows, 2·inter] with gate and up interleaved per column pair → act [rows, inter] =
+// silu(gu[:, 2j]) · gu[:, 2j + 1].
+extern "C" __global__ void moe_swiglu_pairs(const float* gu, float* act, u64 rows, int inter) {
+    const u64 n = rows * inter;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / inter;
+        const int j = (int)(i - r * inter);
+        act[i] = silu_f(gu[r * 2 * inter + 2 * j]) * gu[r * 2 * inter + 2 * j + 1];
     }
 }
 

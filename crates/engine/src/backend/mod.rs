@@ -367,6 +367,24 @@ pub trait Backend: Send + Sync + 'static {
         let (_, experts) = self.shape(logits);
         cpu::moe::route(&self.to_host(logits), experts, top_k, normalize)
     }
+    /// Whether [`Backend::moe_experts_interleaved`] is implemented: experts can then be copied
+    /// from the CPU expert record layout as they are (gate and up rows alternating), one copy
+    /// per matrix straight from the (page-locked) host store.
+    fn takes_interleaved_experts(&self) -> bool {
+        false
+    }
+    /// [`Backend::moe_experts`] over experts whose `gate_up` rows alternate gate 0, up 0,
+    /// gate 1, … (`[2I, H]` as `I` pairs). `None` where the backend does not take that layout
+    /// ([`Backend::takes_interleaved_experts`] is false).
+    fn moe_experts_interleaved(
+        &self,
+        x: &Self::Act,
+        routing: &MoeRouting,
+        experts: &[ExpertMatrices<Self::Matrix>],
+    ) -> Option<Self::Act> {
+        let _ = (x, routing, experts);
+        None
+    }
     /// Routed experts: row `r` gets `Σ_j w_j · down_e(silu(gate_e x) · up_e x)` over its routed
     /// experts `e`. The default runs each hit expert on its rows through [`Backend::linear`].
     fn moe_experts(

@@ -52,21 +52,60 @@ pub struct HybridExperts<B: Backend> {
     pool: Arc<ExpertPool>,
     isa: Isa,
     placement: Placement,
+    /// Resident copies are the records' bytes as stored ([`interleaved_for`]).
+    interleaved: bool,
     state: Mutex<Resident<B::Matrix>>,
+}
+
+/// Whether a layer's resident copies are the host records' bytes as stored (gate and up rows
+/// alternating): the backend takes that layout and every expert's gate and up share one tensor
+/// scale (else gate_up would need two multipliers in one matrix).
+pub fn interleaved_for<B: Backend>(b: &B, set: &ExpertSet) -> bool {
+    b.takes_interleaved_experts()
+        && (0..set.experts).all(|e| {
+            let [g, u, _] = set.multipliers(e);
+            g == u
+        })
+}
+
+/// The record bytes of expert `e`'s gate/up rows (interleaved, `2I` rows) and its down rows.
+fn record_regions(set: &ExpertSet, e: usize) -> (&[u8], &[u8]) {
+    let l = set.layout;
+    let rec = set.record(e);
+    let at = |row: &[u8]| row.as_ptr() as usize - rec.as_ptr() as usize;
+    let gu = at(set.row(e, ExpertMatrix::Gate, 0));
+    let down = at(set.row(e, ExpertMatrix::Down, 0));
+    (
+        &rec[gu..gu + 2 * l.shape.intermediate * l.gate_up_row_bytes],
+        &rec[down..down + l.shape.hidden * l.down_row_bytes],
+    )
 }
 
 /// The backend copy of expert `e` of `set`, in the set's own format: a backend that computes
 /// on quantised blocks (CUDA) keeps them quantised, so a copy moves the record's bytes only.
-/// Gate and up with different tensor scales cannot share one fused matrix: those are
-/// dequantised (exact either way).
-pub fn upload<B: Backend>(b: &B, set: &ExpertSet, e: usize) -> Result<ExpertMatrices<B::Matrix>> {
+/// `interleaved` ([`interleaved_for`]): both matrices are copied straight from the record (no
+/// staging buffer; from a page-locked store the copies are DMA, asynchronous to the host).
+/// Otherwise gate_up is regrouped into halves; gate and up with different tensor scales cannot
+/// share one fused matrix and are dequantised (exact either way).
+pub fn upload_as<B: Backend>(
+    b: &B,
+    set: &ExpertSet,
+    e: usize,
+    interleaved: bool,
+) -> Result<ExpertMatrices<B::Matrix>> {
     let l = set.layout;
     let ExpertShape {
         hidden,
         intermediate,
     } = l.shape;
     let [m_gate, m_up, m_down] = set.multipliers(e);
-    let gate_up = if m_gate == m_up {
+    let (gu_bytes, down_bytes) = record_regions(set, e);
+    let gate_up = if interleaved {
+        if m_gate != m_up {
+            bail!("expert {e}: gate and up scales differ ({m_gate} vs {m_up}): cannot copy the record interleaved");
+        }
+        b.quant_matrix(l.format, 2 * intermediate, hidden, gu_bytes, m_gate)?
+    } else if m_gate == m_up {
         let mut rows = Vec::with_capacity(2 * intermediate * l.gate_up_row_bytes);
         for m in [ExpertMatrix::Gate, ExpertMatrix::Up] {
             for i in 0..intermediate {
@@ -83,14 +122,15 @@ pub fn upload<B: Backend>(b: &B, set: &ExpertSet, e: usize) -> Result<ExpertMatr
             &values,
         ))?
     };
-    let mut down = Vec::with_capacity(hidden * l.down_row_bytes);
-    for r in 0..hidden {
-        down.extend_from_slice(set.row(e, ExpertMatrix::Down, r));
-    }
     Ok(ExpertMatrices {
         gate_up,
-        down: b.quant_matrix(l.down_format, hidden, intermediate, &down, m_down)?,
+        down: b.quant_matrix(l.down_format, hidden, intermediate, down_bytes, m_down)?,
     })
+}
+
+/// [`upload_as`] in the layout [`interleaved_for`] picks for this backend and set.
+pub fn upload<B: Backend>(b: &B, set: &ExpertSet, e: usize) -> Result<ExpertMatrices<B::Matrix>> {
+    upload_as(b, set, e, interleaved_for(b, set))
 }
 
 impl<B: Backend> HybridExperts<B> {
@@ -130,9 +170,10 @@ impl<B: Backend> HybridExperts<B> {
                     .collect()
             }
         };
+        let interleaved = interleaved_for(b, &host);
         for e in resident {
             state.slot_of[e] = Some(state.slots.len() as u32);
-            state.slots.push(upload(b, &host, e)?);
+            state.slots.push(upload_as(b, &host, e, interleaved)?);
             state.slot_expert.push(e as u32);
         }
         Ok(HybridExperts {
@@ -142,6 +183,7 @@ impl<B: Backend> HybridExperts<B> {
             pool,
             isa,
             placement,
+            interleaved,
             state: Mutex::new(state),
         })
     }
@@ -224,7 +266,12 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                         .collect(),
                     weights: r.weights.clone(),
                 };
-                b.moe_experts(x, &compact, &st.slots)
+                if self.interleaved {
+                    b.moe_experts_interleaved(x, &compact, &st.slots)
+                        .expect("the backend takes interleaved experts (checked at construction)")
+                } else {
+                    b.moe_experts(x, &compact, &st.slots)
+                }
             }
             None => b.zeros(n, hidden),
         };
@@ -263,7 +310,7 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
             if st.upload_refused || st.slot_of[e as usize].is_some() {
                 continue;
             }
-            match upload(b, &self.host, e as usize) {
+            match upload_as(b, &self.host, e as usize, self.interleaved) {
                 Ok(m) => {
                     st.slot_of[e as usize] = Some(st.slots.len() as u32);
                     st.slots.push(m);

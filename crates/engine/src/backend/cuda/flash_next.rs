@@ -86,6 +86,7 @@ pub(super) fn kernel_files() -> Vec<(&'static str, &'static str, Vec<String>)> {
                 "moe_down",
                 "moe_gather_rows",
                 "moe_swiglu_halves",
+                "moe_swiglu_pairs",
                 "moe_combine",
             ]),
         ),
@@ -468,11 +469,14 @@ impl CudaBackend {
         }
     }
 
+    /// `interleaved`: each expert's gate_up rows alternate gate, up (the hybrid expert cache's
+    /// copies of host records) instead of all gate rows, then all up rows.
     pub(super) fn fn_moe_experts(
         &self,
         x: &CudaTensor,
         routing: &MoeRouting,
         experts: &[ExpertMatrices<CudaMatrix>],
+        interleaved: bool,
     ) -> CudaTensor {
         let (n, hidden) = (x.rows, x.cols);
         let k = routing.top_k;
@@ -512,6 +516,18 @@ impl CudaBackend {
         let mut combine_weights = vec![0f32; n * k];
         let mut filled = vec![0usize; n];
         let mut small: Vec<u64> = Vec::new();
+        // Quantized experts of one gate_up and one down format (the hybrid cache's copies):
+        // the grouped kernels of moe_quant.cu, 6 u64 per group (pointers, slots, multipliers).
+        let quant_uniform = match (first.gate_up.quant, first.down.quant) {
+            (Some(gq), Some(dq)) if hidden % 8 == 0 && inter % 8 == 0 => experts
+                .iter()
+                .all(|e| {
+                    e.gate_up.quant.is_some_and(|q| q.code == gq.code && q.row_bytes == gq.row_bytes)
+                        && e.down.quant.is_some_and(|q| q.code == dq.code && q.row_bytes == dq.row_bytes)
+                })
+                .then_some((gq, dq)),
+            _ => None,
+        };
         let mut big: Vec<(usize, usize, usize)> = Vec::new();
         // The grouped kernels read dense rows: quantized experts (block formats, e.g. the
         // hybrid cache's NVFP4/IQ3_S copies) go through `linear`, which dequantizes in the matvec.
@@ -533,7 +549,17 @@ impl CudaBackend {
                 combine_weights[r * k + filled[r]] = w;
                 filled[r] += 1;
             }
-            if uniform && list.len() <= MOE_MATVEC_MAX_ROWS {
+            if quant_uniform.is_some() && list.len() <= MOE_MATVEC_MAX_ROWS {
+                let (gq, dq) = (experts[e].gate_up.quant, experts[e].down.quant);
+                small.extend([
+                    experts[e].gate_up.buf.ptr,
+                    experts[e].down.buf.ptr,
+                    off as u64,
+                    list.len() as u64,
+                    gq.map_or(0, |q| q.multiplier.to_bits()) as u64,
+                    dq.map_or(0, |q| q.multiplier.to_bits()) as u64,
+                ]);
+            } else if uniform && list.len() <= MOE_MATVEC_MAX_ROWS {
                 small.extend([
                     experts[e].gate_up.buf.ptr,
                     experts[e].down.buf.ptr,
@@ -555,13 +581,24 @@ impl CudaBackend {
         let slots_ptr = table_dev.ptr + (slots_total * 4) as u64;
         let weights_ptr = slots_ptr + (n * k * 4) as u64;
         let ys = self.alloc(slots_total * hidden * 4, "MoE expert outputs");
-        if !small.is_empty() {
+        if let (Some((gq, dq)), false) = (quant_uniform, small.is_empty()) {
+            let groups = small.len() / 6;
+            let groups_dev = self.upload(&small, "MoE quantized expert groups");
+            let act = self.alloc(slots_total * inter * 4, "MoE expert activations");
+            let warps = 8usize;
+            launch!(self, "moe_q_gate_up", (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
+                groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
+                gq.row_bytes as u64, interleaved as i32);
+            launch!(self, "moe_q_down", (ceil_div(hidden, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
+                groups_dev.ptr, act.ptr, ys.ptr, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
+        } else if !small.is_empty() {
             let groups = small.len() / 4;
             let groups_dev = self.upload(&small, "MoE expert groups");
             let act = self.alloc(slots_total * inter * 4, "MoE expert activations");
             let warps = 8usize;
             launch!(self, "moe_gate_up", (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
-                groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, dtype as i32, hidden as i32, inter as i32);
+                groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, dtype as i32, hidden as i32, inter as i32,
+                interleaved as i32);
             launch!(self, "moe_down", (ceil_div(hidden, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
                 groups_dev.ptr, act.ptr, ys.ptr, dtype as i32, hidden as i32, inter as i32);
         }
@@ -571,7 +608,12 @@ impl CudaBackend {
                 x.ptr(), rows_ptr + (off * 4) as u64, xe.ptr(), cnt as u64, hidden as i32);
             let gu = self.linear(&xe, &experts[e].gate_up);
             let act = self.alloc_act(cnt, inter, cnt);
-            launch!(self, "moe_swiglu_halves", grid_1d(cnt * inter), (256, 1, 1), 0;
+            let swiglu = if interleaved {
+                "moe_swiglu_pairs"
+            } else {
+                "moe_swiglu_halves"
+            };
+            launch!(self, swiglu, grid_1d(cnt * inter), (256, 1, 1), 0;
                 gu.ptr(), act.ptr(), cnt as u64, inter as i32);
             let y = self.linear(&act, &experts[e].down);
             self.copy_dtod(

@@ -73,6 +73,7 @@ fn quant_functions() -> Vec<String> {
         .map(|rows| format!("quant_matvec_{rows}"))
         .collect();
     v.push("quant_dequant_rows".into());
+    v.extend(["moe_q_gate_up".into(), "moe_q_down".into()]);
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
     v
@@ -80,10 +81,13 @@ fn quant_functions() -> Vec<String> {
 
 /// Every kernel file this backend uses.
 pub fn sources() -> Vec<KernelSource> {
+    // moe_quant.cu (the hybrid cache's grouped quantized experts) decodes with quant_matvec.cu's
+    // `qdecode8`, so it is compiled in the same module.
     let quant_body = format!(
-        "{}\n{}",
+        "{}\n{}\n{}",
         quant_tables(),
-        include_str!("../../../../../kernels/quant_matvec.cu")
+        include_str!("../../../../../kernels/quant_matvec.cu"),
+        include_str!("../../../../../kernels/moe_quant.cu")
     );
     let files: [(&str, &str, Vec<String>); 6] = [
         (

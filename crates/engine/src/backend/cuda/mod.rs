@@ -1567,7 +1567,18 @@ impl Backend for CudaBackend {
         routing: &crate::backend::MoeRouting,
         experts: &[crate::backend::ExpertMatrices<CudaMatrix>],
     ) -> CudaTensor {
-        self.fn_moe_experts(x, routing, experts)
+        self.fn_moe_experts(x, routing, experts, false)
+    }
+    fn takes_interleaved_experts(&self) -> bool {
+        true
+    }
+    fn moe_experts_interleaved(
+        &self,
+        x: &CudaTensor,
+        routing: &crate::backend::MoeRouting,
+        experts: &[crate::backend::ExpertMatrices<CudaMatrix>],
+    ) -> Option<CudaTensor> {
+        Some(self.fn_moe_experts(x, routing, experts, true))
     }
 
     fn rope(
