@@ -334,7 +334,9 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
         assert_eq!(generate(&cached, &a.prompts[0], Some("a")).0, a_answers[0]);
         assert_eq!(generate(&cached, &b.prompts[0], Some("b")).0, b_answers[0]);
         {
-            let c = cached.cache().unwrap().lock().unwrap();
+            let mut c = cached.cache().unwrap().lock().unwrap();
+            // Entries moving down are written on the cache's writer thread.
+            c.wait_writes();
             assert!(c.ram_use() <= budget, "{name}: over the RAM budget");
             let a_tiers = c.entries_of("a");
             assert_eq!(
@@ -350,6 +352,8 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
         let (got, usage) = generate(&cached, &b.prompts[1], Some("b"));
         assert_eq!(got, b_answers[1], "{name}: b after a");
         assert_eq!(usage.cached_tokens, b.tips[0], "{name}");
-        assert!(cached.cache().unwrap().lock().unwrap().ram_use() <= budget);
+        let mut c = cached.cache().unwrap().lock().unwrap();
+        c.wait_writes();
+        assert!(c.ram_use() <= budget);
     }
 }

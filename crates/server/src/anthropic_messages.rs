@@ -247,6 +247,7 @@ pub async fn handle(
             id,
             model,
             input_tokens,
+            cached_tokens: 0,
             open_block: None,
             next_index: 0,
             tool_blocks: Vec::new(),
@@ -317,6 +318,8 @@ struct MessagesStream {
     id: String,
     model: String,
     input_tokens: usize,
+    /// Prompt tokens resumed from the prefix cache (known at admission, before `start`).
+    cached_tokens: usize,
     /// The open content block and its index.
     open_block: Option<(Block, usize)>,
     next_index: usize,
@@ -361,13 +364,23 @@ impl MessagesStream {
 }
 
 impl StreamAdapter for MessagesStream {
+    fn wants_cached_tokens(&self) -> bool {
+        true
+    }
+
+    fn set_cached_tokens(&mut self, cached: usize) {
+        self.cached_tokens = cached.min(self.input_tokens);
+    }
+
     fn start(&mut self) -> Vec<Event> {
+        // Like Anthropic's: `input_tokens` are the uncached ones.
+        let input = self.input_tokens - self.cached_tokens;
         vec![ev(
             "message_start",
             json!({"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+                "usage": {"input_tokens": input, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached_tokens},
             }}),
         )]
     }

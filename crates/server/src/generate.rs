@@ -81,6 +81,12 @@ impl Generation {
         self.prompt_tokens
     }
 
+    /// Waits for admission; the prompt tokens resumed from the prefix cache (`None`: the
+    /// request was dropped before admission, [`Generation::next`] says why). Cancel-safe.
+    pub async fn admitted(&mut self) -> Option<usize> {
+        self.stream.admitted().await
+    }
+
     /// The events of the next token (possibly none); `None` once finished.
     pub async fn next(&mut self) -> Option<Vec<OutputEvent>> {
         if self.finished {

@@ -18,6 +18,14 @@ pub trait StreamAdapter: Send + 'static {
     fn on_event(&mut self, event: OutputEvent) -> Vec<Event>;
     /// What to send when nothing happened for a keep-alive interval.
     fn keepalive(&mut self) -> Event;
+    /// True when [`StreamAdapter::start`] reports the prompt tokens resumed from the prefix
+    /// cache (Anthropic's `message_start` usage): the stream then starts once the request is
+    /// admitted, when that count is known.
+    fn wants_cached_tokens(&self) -> bool {
+        false
+    }
+    /// The cached prompt tokens, before `start` (only called when wanted).
+    fn set_cached_tokens(&mut self, _cached: usize) {}
 }
 
 /// `event: NAME` (when given) and `data: JSON`.
@@ -44,6 +52,22 @@ pub fn respond<A: StreamAdapter>(
         let keepalive = keepalive.max(Duration::from_millis(10));
         let mut ticker =
             tokio::time::interval_at(tokio::time::Instant::now() + keepalive, keepalive);
+        if adapter.wants_cached_tokens() {
+            // Until admission only SSE comments go out (a queued request keeps its client).
+            let cached = loop {
+                tokio::select! {
+                    c = generation.admitted() => break c,
+                    _ = ticker.tick() => {
+                        if tx.send(comment("waiting for a free slot")).await.is_err() {
+                            return;
+                        }
+                    }
+                    _ = tx.closed() => return,
+                }
+            };
+            // `None`: the request was dropped; its error follows from `next`.
+            adapter.set_cached_tokens(cached.unwrap_or(0));
+        }
         for e in adapter.start() {
             if tx.send(e).await.is_err() {
                 return;

@@ -194,15 +194,25 @@ async fn anthropic_turns_hit_the_cache_although_the_billing_line_changes() {
     )
     .await;
     assert_eq!(status, 200);
-    let delta: Value = text
+    let events: Vec<Value> = text
         .lines()
         .filter_map(|l| l.strip_prefix("data:"))
         .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
+        .collect();
+    let delta = events
+        .iter()
         .find(|v| v["type"] == "message_delta")
         .expect("no message_delta");
-    assert!(
-        delta["usage"]["cache_read_input_tokens"].as_u64().unwrap() >= cached,
-        "{delta}"
+    let streamed = delta["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(streamed >= cached, "{delta}");
+    // message_start (the first event) already tells the truth: the same cached and uncached
+    // counts as the final usage.
+    assert_eq!(events[0]["type"], "message_start", "{text}");
+    let start = &events[0]["message"]["usage"];
+    assert_eq!(start["cache_read_input_tokens"], streamed, "{text}");
+    assert_eq!(
+        start["input_tokens"], delta["usage"]["input_tokens"],
+        "{text}"
     );
     // The session is the header's, in RAM, with its size.
     let st = get(addr, "/admin/status").await;

@@ -20,6 +20,13 @@
 //! A VRAM tier (keeping snapshots on the GPU) is not built: states are copied to the host at
 //! capture time.
 //!
+//! **Disk writes** run on a writer thread of the cache, never on the scheduler's: an entry
+//! moving down is queued (its RAM is counted as leaving, so eviction does not pick it again)
+//! and leaves RAM when its file is written (atomically, checksummed, see [`disk`]); the
+//! results are picked up by the next call into the cache (`begin`, `insert`, `maintain` run
+//! every second). RAM use can therefore exceed its budget by the writes in flight.
+//! [`PrefixCache::flush_to_disk`] and [`PrefixCache::wait_writes`] wait for the queue.
+//!
 //! **Eviction** (when a tier is over budget), in this order:
 //! 1. entries that are not their session's deepest, least recently used first (dropped from
 //!    RAM, or deleted from disk);
@@ -53,7 +60,7 @@ use anyhow::{Context, Result};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 /// Settings of the prefix cache.
@@ -107,6 +114,94 @@ struct Entry {
     last_used: f64,
     /// Tie-breaker for equal times: a global counter.
     tick: u64,
+    /// Queued on the writer thread (still in RAM until written).
+    writing: bool,
+    /// Writing it to disk failed once: it is not tried again (dropped under pressure).
+    no_disk: bool,
+}
+
+/// A state to write to disk, on the writer thread.
+struct WriteJob {
+    id: u64,
+    dir: PathBuf,
+    identity: CacheIdentity,
+    session: String,
+    tokens: Arc<[u32]>,
+    state: Arc<HostState>,
+}
+
+struct WriteDone {
+    id: u64,
+    dir: PathBuf,
+    result: std::result::Result<(PathBuf, u64), String>,
+}
+
+enum ToWriter {
+    Write(Box<WriteJob>),
+    /// Answered once every job before it is done.
+    Barrier(mpsc::Sender<()>),
+    /// Tests: each later write first waits for a message on this channel.
+    #[cfg(test)]
+    Gate(mpsc::Receiver<()>),
+}
+
+/// The writer thread and its channels.
+struct Writer {
+    tx: mpsc::Sender<ToWriter>,
+    done: mpsc::Receiver<WriteDone>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn spawn() -> Writer {
+        let (tx, rx) = mpsc::channel::<ToWriter>();
+        let (done_tx, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("capy-cache-writer".into())
+            .spawn(move || {
+                #[cfg(test)]
+                let mut gate: Option<mpsc::Receiver<()>> = None;
+                for m in rx {
+                    match m {
+                        ToWriter::Write(j) => {
+                            #[cfg(test)]
+                            if let Some(g) = &gate {
+                                if g.recv().is_err() {
+                                    gate = None;
+                                }
+                            }
+                            let result = disk::write_entry(
+                                &j.dir,
+                                &j.identity,
+                                &j.session,
+                                &j.tokens,
+                                &j.state,
+                            )
+                            .map_err(|e| format!("{e:#}"));
+                            let d = WriteDone {
+                                id: j.id,
+                                dir: j.dir,
+                                result,
+                            };
+                            if done_tx.send(d).is_err() {
+                                return;
+                            }
+                        }
+                        ToWriter::Barrier(b) => {
+                            let _ = b.send(());
+                        }
+                        #[cfg(test)]
+                        ToWriter::Gate(g) => gate = Some(g),
+                    }
+                }
+            })
+            .expect("spawning the prefix cache's disk writer");
+        Writer {
+            tx,
+            done,
+            thread: Some(thread),
+        }
+    }
 }
 
 /// A session: the entries it created and when it was last active.
@@ -232,6 +327,25 @@ pub struct PrefixCache {
     pub misses: u64,
     pub cached_tokens: u64,
     pub disk_rejected: u64,
+    /// Off: no lookups, no captures (switched at run time, e.g. by a benchmark that measures
+    /// the same loaded model without a cache).
+    enabled: bool,
+    /// Disk writes in flight (started on first use).
+    writer: Option<Writer>,
+    /// RAM bytes of the entries queued for writing (they leave RAM when written).
+    ram_leaving: usize,
+}
+
+impl Drop for PrefixCache {
+    fn drop(&mut self) {
+        // Let queued writes finish (their files are complete or absent, never partial).
+        if let Some(mut w) = self.writer.take() {
+            drop(w.tx);
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 impl PrefixCache {
@@ -254,6 +368,9 @@ impl PrefixCache {
             misses: 0,
             cached_tokens: 0,
             disk_rejected: 0,
+            enabled: true,
+            writer: None,
+            ram_leaving: 0,
         };
         if let Some(d) = dir {
             c.set_disk(Some(&d))?;
@@ -279,6 +396,24 @@ impl PrefixCache {
         self.enforce_budgets();
     }
 
+    /// Switches lookups and captures on or off; switching off drops the RAM tier's entries
+    /// (disk files stay, for when it is switched on again).
+    pub fn set_enabled(&mut self, on: bool) {
+        self.enabled = on;
+        if !on {
+            let ids: Vec<u64> = self.entries.keys().copied().collect();
+            for id in ids {
+                if self.entries[&id].ram.is_some() {
+                    self.drop_from_ram(id);
+                }
+            }
+        }
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
     pub fn set_idle(&mut self, idle: Duration) {
         self.config.idle = idle;
     }
@@ -286,6 +421,7 @@ impl PrefixCache {
     /// Turns disk offload on (in `dir`) or off. Turning it on indexes the entries already in
     /// the folder; turning it off forgets disk-only entries (their files stay for next time).
     pub fn set_disk(&mut self, dir: Option<&Path>) -> Result<()> {
+        self.poll_writes();
         if let Some(dir) = dir {
             let sub = dir.join(self.config.identity.folder_name());
             std::fs::create_dir_all(&sub).with_context(|| {
@@ -375,6 +511,8 @@ impl PrefixCache {
                 bytes,
                 last_used,
                 tick,
+                writing: false,
+                no_disk: false,
             },
         );
         id
@@ -386,6 +524,9 @@ impl PrefixCache {
         };
         if e.ram.is_some() {
             self.ram_use -= e.bytes;
+            if e.writing {
+                self.ram_leaving -= e.bytes;
+            }
         }
         if let Some((path, n)) = &e.disk {
             let _ = std::fs::remove_file(path);
@@ -422,7 +563,7 @@ impl PrefixCache {
 
     /// True when no entry holds exactly these tokens (worth capturing).
     pub fn wants(&self, tokens: &[u32]) -> bool {
-        !tokens.is_empty() && self.find_exact(tokens).is_none()
+        self.enabled && !tokens.is_empty() && self.find_exact(tokens).is_none()
     }
 
     /// Entries usable for `prompt` (a prefix of it of at most `max_len` tokens), deepest first.
@@ -462,9 +603,15 @@ impl PrefixCache {
     /// the session its new entries belong to (`key`, else the session it continues, else a
     /// new one). `max_len` is the most tokens a hit may cover (the prompt minus one).
     pub fn begin(&mut self, prompt: &[u32], max_len: usize, key: Option<&str>) -> Begin {
+        self.poll_writes();
         let now = unix_now();
         let mut hit = None;
-        for id in self.candidates(prompt, max_len) {
+        let found = if self.enabled {
+            self.candidates(prompt, max_len)
+        } else {
+            Vec::new()
+        };
+        for id in found {
             match self.load(id) {
                 Ok((state, from_disk)) => {
                     let tier = if from_disk { Tier::Disk } else { Tier::Ram };
@@ -548,6 +695,7 @@ impl PrefixCache {
 
     /// Stores the state after `tokens` for `session` (no-op when already stored).
     pub fn insert(&mut self, session: &str, tokens: &[u32], state: HostState) {
+        self.poll_writes();
         if let Some(id) = self.find_exact(tokens) {
             let t = self.next_tick();
             let e = self.entries.get_mut(&id).unwrap();
@@ -611,36 +759,110 @@ impl PrefixCache {
             .map(|(id, p, _)| (id, p))
     }
 
-    /// Writes an entry's RAM state to disk (if not there yet) and drops it from RAM.
+    /// Moves an entry's RAM state down to disk: dropped from RAM at once when its file is
+    /// there, else queued on the writer thread (it leaves RAM when written). False when it
+    /// cannot go to disk (offload off, or an earlier write of it failed).
     fn demote(&mut self, id: u64) -> bool {
         let Some(dir) = self.disk.clone() else {
             return false;
         };
         let e = &self.entries[&id];
-        let Some(state) = e.ram.clone() else {
+        if e.ram.is_none() || e.writing {
             return true;
+        }
+        if e.no_disk {
+            return false;
+        }
+        if e.disk.is_some() {
+            let e = self.entries.get_mut(&id).unwrap();
+            e.ram = None;
+            self.ram_use -= e.bytes;
+            return true;
+        }
+        let job = WriteJob {
+            id,
+            dir,
+            identity: self.config.identity.clone(),
+            session: e.session.clone(),
+            tokens: e.tokens.clone(),
+            state: e.ram.clone().unwrap(),
         };
-        if e.disk.is_none() {
-            match disk::write_entry(&dir, &self.config.identity, &e.session, &e.tokens, &state) {
-                Ok((path, n)) => {
-                    self.disk_use += n;
-                    self.entries.get_mut(&id).unwrap().disk = Some((path, n));
+        let w = self.writer.get_or_insert_with(Writer::spawn);
+        if w.tx.send(ToWriter::Write(Box::new(job))).is_err() {
+            return false;
+        }
+        let e = self.entries.get_mut(&id).unwrap();
+        e.writing = true;
+        self.ram_leaving += e.bytes;
+        true
+    }
+
+    /// Takes the writer thread's finished writes: written entries leave RAM (when disk offload
+    /// is still on in the same folder), failed ones stay and are not tried again.
+    fn poll_writes(&mut self) {
+        let Some(w) = &self.writer else { return };
+        let done: Vec<WriteDone> = w.done.try_iter().collect();
+        if done.is_empty() {
+            return;
+        }
+        for d in done {
+            let Some(e) = self.entries.get_mut(&d.id) else {
+                // Removed while it was being written.
+                if let Ok((path, _)) = &d.result {
+                    let _ = std::fs::remove_file(path);
                 }
+                continue;
+            };
+            e.writing = false;
+            self.ram_leaving -= e.bytes;
+            match d.result {
+                Ok((path, n)) if self.disk.as_deref() == Some(d.dir.as_path()) => {
+                    e.disk = Some((path, n));
+                    e.ram = None;
+                    self.ram_use -= e.bytes;
+                    self.disk_use += n;
+                }
+                // Offload was switched off (or moved) meanwhile: the file stays for next time.
+                Ok(_) => {}
                 Err(err) => {
-                    tracing::warn!("prefix cache: moving an entry to disk failed: {err:#}");
-                    return false;
+                    tracing::warn!("prefix cache: moving an entry to disk failed: {err}");
+                    e.no_disk = true;
                 }
             }
         }
-        let e = self.entries.get_mut(&id).unwrap();
-        e.ram = None;
-        self.ram_use -= e.bytes;
-        true
+        self.enforce_budgets();
+    }
+
+    /// Waits until every queued disk write is done and taken in.
+    pub fn wait_writes(&mut self) {
+        if let Some(w) = &self.writer {
+            let (tx, rx) = mpsc::channel();
+            if w.tx.send(ToWriter::Barrier(tx)).is_ok() {
+                let _ = rx.recv();
+            }
+        }
+        self.poll_writes();
+    }
+
+    /// Disk writes queued and not yet taken in.
+    pub fn writes_in_flight(&self) -> usize {
+        self.entries.values().filter(|e| e.writing).count()
+    }
+
+    /// Tests: from now on every disk write waits for a message on the returned channel
+    /// (dropping it lets them all through).
+    #[cfg(test)]
+    pub(crate) fn gate_writes(&mut self) -> mpsc::Sender<()> {
+        let (tx, rx) = mpsc::channel();
+        let w = self.writer.get_or_insert_with(Writer::spawn);
+        w.tx.send(ToWriter::Gate(rx))
+            .expect("the writer thread is running");
+        tx
     }
 
     fn drop_from_ram(&mut self, id: u64) {
         let e = self.entries.get_mut(&id).unwrap();
-        if e.disk.is_some() {
+        if e.disk.is_some() && !e.writing {
             e.ram = None;
             self.ram_use -= e.bytes;
         } else {
@@ -649,8 +871,9 @@ impl PrefixCache {
     }
 
     fn enforce_budgets(&mut self) {
-        while self.ram_use > self.config.ram_bytes {
-            let Some((id, _)) = self.victim(|e| e.ram.is_some()) else {
+        // Entries being written count as gone already.
+        while self.ram_use - self.ram_leaving > self.config.ram_bytes {
+            let Some((id, _)) = self.victim(|e| e.ram.is_some() && !e.writing) else {
                 break;
             };
             // Move down a tier rather than drop (when disk offload is on).
@@ -673,8 +896,9 @@ impl PrefixCache {
     }
 
     /// Moves sessions idle for longer than the configured time to disk (when it is on).
-    /// Returns how many entries moved.
+    /// Returns how many entries started moving (their writes finish on the writer thread).
     pub fn maintain(&mut self) -> usize {
+        self.poll_writes();
         if self.disk.is_none() {
             return 0;
         }
@@ -684,6 +908,8 @@ impl PrefixCache {
             .iter()
             .filter(|(_, e)| {
                 e.ram.is_some()
+                    && !e.writing
+                    && !e.no_disk
                     && self
                         .sessions
                         .get(&e.session)
@@ -706,17 +932,18 @@ impl PrefixCache {
     /// Writes every session's deepest RAM entry to disk (when disk offload is on), so the
     /// conversations are found again after a restart. Called when the scheduler stops.
     pub fn flush_to_disk(&mut self) -> usize {
+        self.poll_writes();
         if self.disk.is_none() {
             return 0;
         }
         let mut written = 0;
         for id in self.protected_set() {
             let e = &self.entries[&id];
-            if e.ram.is_some() && e.disk.is_none() && self.demote(id) {
+            if e.ram.is_some() && e.disk.is_none() && !e.writing && self.demote(id) {
                 written += 1;
             }
         }
-        self.enforce_budgets();
+        self.wait_writes();
         written
     }
 

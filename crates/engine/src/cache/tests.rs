@@ -133,6 +133,8 @@ fn deepest_entries_give_way_by_recency_to_disk() {
         let t: Vec<u32> = (base..base + 32).collect();
         c.insert(s, &t, state_for(&t, 4));
     }
+    // The writes run on the cache's writer thread.
+    c.wait_writes();
     // Three deepest entries, room for two in RAM: the oldest (a) went to disk, not away.
     assert_eq!(c.entries_of("a"), vec![(32, Tier::Disk)]);
     assert_eq!(c.entries_of("c"), vec![(32, Tier::Ram)]);
@@ -158,6 +160,7 @@ fn disk_entries_survive_a_restart_and_idle_sessions_move_down() {
         c.insert("sess", &t, state_for(&t, 3));
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(c.maintain(), 1);
+        c.wait_writes();
         assert_eq!(c.entries_of("sess"), vec![(13, Tier::Disk)]);
         assert_eq!(c.ram_use(), 0);
         assert!(c.disk_use() > 0);
@@ -205,6 +208,7 @@ fn demoted_entry(dir: &Path) -> (CacheConfig, Vec<u32>, PathBuf) {
     c.insert("s", &t, state_for(&t, 5));
     std::thread::sleep(Duration::from_millis(5));
     c.maintain();
+    c.wait_writes();
     (cfg, t, only_file(dir))
 }
 
@@ -281,6 +285,7 @@ fn disk_budget_deletes_least_recent_files() {
         c.insert(s, &t, state_for(&t, 4));
         std::thread::sleep(Duration::from_millis(5));
         c.maintain();
+        c.wait_writes();
         sizes.push(c.disk_use());
     }
     let one = sizes[0];
@@ -304,6 +309,7 @@ fn disk_offload_can_be_switched_at_run_time() {
     c.set_idle(Duration::ZERO);
     std::thread::sleep(Duration::from_millis(5));
     assert_eq!(c.maintain(), 1);
+    c.wait_writes();
     let st = c.status();
     assert!(st.disk_offload.enabled);
     assert_eq!(
@@ -342,6 +348,7 @@ fn ram_pressure_moves_intermediates_to_disk_instead_of_dropping_them() {
     let mut c = PrefixCache::new(cfg).unwrap();
     for n in [16, 32, 48, 64] {
         c.insert("a", &t[..n], state_for(&t[..n], 8));
+        c.wait_writes();
         assert!(c.ram_use() <= per(64) + per(32));
     }
     // Nothing was dropped: what did not fit in RAM is on disk, the deepest stays in RAM.
@@ -374,4 +381,57 @@ fn expert_heat_halves_older_turns_and_adds_the_new_one() {
     assert_eq!(c.heat_of("a"), vec![h(5, 2.5), h(3, 2.0), h(7, 1.0)]);
     assert!(c.heat_of("b").is_empty());
     assert_eq!(c.status().sessions[0].hot_experts, 3);
+}
+
+#[test]
+fn disk_writes_wait_on_the_writer_thread_not_the_caller() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(1 << 20);
+    cfg.disk_dir = Some(dir.path().to_path_buf());
+    cfg.idle = Duration::ZERO;
+    let mut c = PrefixCache::new(cfg).unwrap();
+    let gate = c.gate_writes();
+    let t = toks(0..12);
+    c.insert("a", &t, state_for(&t, 3));
+    std::thread::sleep(Duration::from_millis(5));
+    // The write is queued and held by the gate; the cache keeps answering meanwhile.
+    assert_eq!(c.maintain(), 1);
+    assert_eq!(c.writes_in_flight(), 1);
+    assert_eq!(c.entries_of("a"), vec![(12, Tier::Ram)]);
+    let mut p = t.clone();
+    p.push(77);
+    let h = c
+        .begin(&p, 12, None)
+        .hit
+        .expect("a queued entry is still usable");
+    assert_eq!((h.len, h.tier), (12, Tier::Ram));
+    let u = toks(500..520);
+    c.insert("b", &u, state_for(&u, 3));
+    // Released: the entry lands on disk and leaves RAM.
+    gate.send(()).unwrap();
+    drop(gate);
+    c.wait_writes();
+    assert_eq!(c.writes_in_flight(), 0);
+    assert_eq!(c.entries_of("a"), vec![(12, Tier::Disk)]);
+    assert!(c.disk_use() > 0);
+    // An entry removed while it is being written leaves no file behind.
+    let gate = c.gate_writes();
+    std::thread::sleep(Duration::from_millis(5));
+    c.maintain();
+    assert_eq!(c.writes_in_flight(), 1, "b is queued");
+    c.set_enabled(false);
+    assert!(c.entries_of("b").is_empty());
+    drop(gate);
+    c.wait_writes();
+    let files = std::fs::read_dir(only_sub(dir.path())).unwrap().count();
+    assert_eq!(files, 1, "only a's file");
+}
+
+fn only_sub(dir: &Path) -> PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
 }

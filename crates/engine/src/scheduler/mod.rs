@@ -145,6 +145,9 @@ pub enum SubmitError {
 pub struct GenerationStream {
     rx: tokio_mpsc::UnboundedReceiver<GenerationEvent>,
     prompt_tokens: usize,
+    /// Sent once when the request is admitted: the prompt tokens resumed from the cache.
+    admitted: Option<tokio::sync::oneshot::Receiver<usize>>,
+    cached: Option<usize>,
 }
 
 impl GenerationStream {
@@ -160,6 +163,17 @@ impl GenerationStream {
 
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_tokens
+    }
+
+    /// Waits until the request is admitted and returns the prompt tokens it resumed from the
+    /// prefix cache (known only then; 0 without a cache). `None` when it never will be (the
+    /// scheduler dropped it; `recv` then says why). Cancel-safe.
+    pub async fn admitted(&mut self) -> Option<usize> {
+        if let Some(rx) = &mut self.admitted {
+            self.cached = rx.await.ok();
+            self.admitted = None;
+        }
+        self.cached
     }
 }
 
@@ -184,6 +198,7 @@ pub struct SchedulerMetrics {
 struct Pending {
     request: GenerationRequest,
     tx: tokio_mpsc::UnboundedSender<GenerationEvent>,
+    admitted: tokio::sync::oneshot::Sender<usize>,
 }
 
 /// Handle to the scheduler thread. Dropping it stops the thread after the current step.
@@ -309,13 +324,24 @@ impl Scheduler {
             return Err(SubmitError::Overloaded { queued, limit });
         }
         let (tx, rx) = tokio_mpsc::unbounded_channel();
+        let (admitted_tx, admitted) = tokio::sync::oneshot::channel();
         let sender = self.tx.as_ref().ok_or(SubmitError::Stopped)?;
-        if sender.send(Pending { request, tx }).is_err() {
+        let pending = Pending {
+            request,
+            tx,
+            admitted: admitted_tx,
+        };
+        if sender.send(pending).is_err() {
             m.queue_depth.fetch_sub(1, Ordering::AcqRel);
             return Err(SubmitError::Stopped);
         }
         m.requests_total.fetch_add(1, Ordering::Relaxed);
-        Ok(GenerationStream { rx, prompt_tokens })
+        Ok(GenerationStream {
+            rx,
+            prompt_tokens,
+            admitted: Some(admitted),
+            cached: None,
+        })
     }
 }
 
@@ -455,15 +481,16 @@ fn run_loop(
     let mut active: Vec<Active<'_>> = Vec::new();
     let eos = model.info().eos_token_ids.clone();
     let mut disconnected = false;
-    // Block size and capture spacing of the prefix cache (fixed for the cache's life).
-    let blocks = cache.map(|c| {
-        let c = lock(c);
-        (c.block_tokens(), c.config().capture_every_blocks)
-    });
     // The session admitted last (its experts are the warm ones).
     let mut last_session: Option<String> = None;
     let mut last_maintain = std::time::Instant::now();
     loop {
+        // Block size and capture spacing of the prefix cache (`None` while it is off).
+        let blocks = cache.and_then(|c| {
+            let c = lock(c);
+            c.is_enabled()
+                .then(|| (c.block_tokens(), c.config().capture_every_blocks))
+        });
         // Idle sessions move down a tier even while others keep the model busy.
         if let Some(c) = cache {
             if last_maintain.elapsed() >= MAINTAIN_EVERY {
@@ -529,6 +556,7 @@ fn run_loop(
                 Some(c) => resume(c, model.as_mut(), seq, &r, metrics, &mut last_session),
                 None => (None, 0),
             };
+            let _ = p.admitted.send(cached);
             active.push(Active {
                 seq,
                 failed: false,

@@ -442,3 +442,65 @@ fn a_returning_session_gets_its_hot_experts_prefetched() {
     let sa = st.sessions.iter().find(|x| x.id == "a").unwrap();
     assert_eq!(sa.hot_experts, 4);
 }
+
+#[test]
+fn a_slow_disk_write_does_not_hold_up_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer();
+    let script = tok.encode("ok then", false).unwrap();
+    let lm = ScriptedLm::new(tok.vocab_size(), 4096, script, DEMO_IM_END_ID);
+    let config = SchedulerConfig {
+        prefix_cache: Some(crate::cache::CacheConfig {
+            block_tokens: 4,
+            disk_dir: Some(dir.path().to_path_buf()),
+            // Every session is idle at once: each maintenance pass moves it to disk.
+            idle: Duration::ZERO,
+            ..crate::cache::CacheConfig::new(crate::cache::CacheIdentity {
+                model_id: "scripted".into(),
+                format: "test".into(),
+            })
+        }),
+        ..Default::default()
+    };
+    let s = Scheduler::start(Box::new(lm), tok, config);
+    let cache = s.cache().unwrap().clone();
+    // Disk writes wait for this channel: a disk that never finishes, until released.
+    let gate = cache.lock().unwrap().gate_writes();
+    let a: Vec<u32> = (0..24).map(|i| 900 + i).collect();
+    collect(s.submit(session_request(a.clone(), "a")).unwrap());
+    // The scheduler's maintenance queues a's entries for disk (it runs every second).
+    let mut queued = 0;
+    for _ in 0..1000 {
+        queued = cache.lock().unwrap().writes_in_flight();
+        if queued > 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(queued > 0, "nothing was queued for disk");
+    // With a write stuck, another request is still served to the end (on the scheduler
+    // thread it would wait forever: the bound only turns a hang into a failure).
+    let b: Vec<u32> = (0..18).map(|i| 2000 + i).collect();
+    let stream = s.submit(session_request(b, "b")).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(collect(stream)).unwrap());
+    let (_, n, _, usage) = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("a request was held up by a disk write");
+    assert_eq!((n, usage.prompt_tokens), (1, 18));
+    assert!(cache
+        .lock()
+        .unwrap()
+        .entries_of("a")
+        .iter()
+        .all(|e| e.1 == crate::cache::Tier::Ram));
+    // Released: a's entries reach the disk.
+    drop(gate);
+    let mut c = cache.lock().unwrap();
+    c.wait_writes();
+    let on_disk = c.entries_of("a");
+    assert!(
+        on_disk.iter().any(|e| e.1 == crate::cache::Tier::Disk),
+        "{on_disk:?}"
+    );
+}
