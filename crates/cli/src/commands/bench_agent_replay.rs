@@ -10,11 +10,22 @@
 //! and cached tokens. Then, with the cache on, A's next turn is resumed from RAM, then (disk
 //! offload switched on through `/admin/disk-offload`, the session left idle until it is on
 //! disk) from disk, and the same prompt is recomputed on the server without a cache.
+//!
+//! One model is loaded once (`--model DIR|demo`, or `--synthetic SHAPE [--quant F]`: random
+//! weights of the real configuration with the real Qwen tokenizer and chat template) and
+//! served by one server: a warm-up request first (other system prompt, so it shares no prefix),
+//! then the cache-on replay and the resumes, then the cache is switched off at run time
+//! ([`capy_engine::cache::PrefixCache::set_enabled`]) for the cache-off replay (session A only:
+//! without a cache B's turns cannot change A's) and the recompute.
 
-use super::model_arg::BackendArg;
+use super::model_arg::{BackendArg, BackendKind};
 use anyhow::{bail, Context, Result};
 use capy_engine::cache::{CacheConfig, CacheIdentity};
+use capy_engine::chat_template::ChatTemplate;
+use capy_engine::config::TextConfig;
+use capy_engine::model::CausalLm;
 use capy_engine::scheduler::{Scheduler, SchedulerConfig};
+use capy_engine::tokenizer::Tokenizer;
 use capy_server::{AppState, ServerConfig};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -24,9 +35,25 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(clap::Args)]
 pub struct BenchAgentReplayArgs {
-    /// Model folder, "demo" or "demo-moe".
+    /// Model folder, "demo" or "demo-moe" (ignored with --synthetic).
     #[arg(long, default_value = "demo")]
     pub model: String,
+    /// A synthetic model instead: random weights of a real configuration ("qwen3.8-27b",
+    /// "moe-mid", or "tiny": the 27B layout shrunk to hidden 64 and 4 layers with the full
+    /// vocabulary, for checking the plumbing on a CPU), served with the real Qwen tokenizer and
+    /// chat template.
+    #[arg(long)]
+    pub synthetic: Option<String>,
+    /// With --synthetic on CUDA: projection weights as random blocks of this format kept
+    /// quantized on the GPU (bf16, nvfp4, iq3_s, ...).
+    #[arg(long, default_value = "bf16")]
+    pub quant: String,
+    /// Seed of the synthetic weights.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// RAM tier budget of the prefix cache (a 30K-token state of the 27B is about 4 GB).
+    #[arg(long, default_value = "24GiB", value_parser = super::bench_gpu::parse_bytes)]
+    pub cache_ram: u64,
     #[command(flatten)]
     pub backend: BackendArg,
     /// Session A's context at its last turn, in tokens (about).
@@ -243,19 +270,234 @@ async fn http_json(addr: SocketAddr, method: &str, path: &str, body: &Value) -> 
 struct Server {
     addr: SocketAddr,
     state: Arc<AppState>,
-    /// Dropping it stops the server, which frees the model (one model loaded at a time).
+    /// Dropping it stops the server.
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
-async fn start_server(a: &BenchAgentReplayArgs, cache: Option<CacheConfig>) -> Result<Server> {
-    let dir = super::model_arg::resolve(&a.model)?;
-    let ck = capy_engine::checkpoint::Checkpoint::open(&dir)?;
-    let (model, _backend) = a.backend.load(&ck)?;
+/// The model to serve, loaded once.
+struct Loaded {
+    model: Box<dyn CausalLm>,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    /// What the record calls it: the folder, or "synthetic SHAPE QUANT".
+    label: String,
+    backend: &'static str,
+    gpu: Option<Value>,
+    vram_plan: Option<Value>,
+}
+
+/// `config.json` of a synthetic shape; "tiny" is the 27B layout shrunk (full vocabulary).
+fn synthetic_config(shape: &str) -> Result<Value> {
+    if shape != "tiny" {
+        return capy_engine::synthetic::config(shape);
+    }
+    let mut c = capy_engine::synthetic::config("qwen3.8-27b")?;
+    for (k, v) in [
+        ("hidden_size", 64),
+        ("intermediate_size", 128),
+        ("num_hidden_layers", 4),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("head_dim", 16),
+        ("linear_num_key_heads", 2),
+        ("linear_num_value_heads", 4),
+        ("linear_key_head_dim", 16),
+        ("linear_value_head_dim", 16),
+    ] {
+        c[k] = json!(v);
+    }
+    Ok(c)
+}
+
+/// KV bytes per token (f32 K and V of every attention layer, as the CUDA backend keeps them).
+fn kv_bytes_per_token(c: &TextConfig) -> u64 {
+    let attn = c
+        .layer_types
+        .iter()
+        .filter(|t| **t == capy_engine::config::LayerType::FullAttention)
+        .count();
+    (attn * 2 * c.num_key_value_heads * c.head_dim * 4) as u64
+}
+
+/// Where the replay's VRAM goes on CUDA, before anything is loaded: the weights, session A's
+/// KV at its last turn with room for the backend's doubling growth (a state imported at n rows
+/// grows to 2n when the turn appends), session B's at a quarter of that, both sequences' GDN
+/// states, one prefill chunk's activations and scratch, and the pool's reserve.
+fn replay_vram_plan(
+    c: &TextConfig,
+    quant: Option<capy_engine::backend::cpu::experts::format::RowFormat>,
+    a: &BenchAgentReplayArgs,
+) -> Result<(u64, Value)> {
+    use capy_engine::backend::cuda::bench::plan_vram;
+    let p = plan_vram(c, quant, a.prefill_chunk, a.decode_tokens)?;
+    // The last turn's context overshoots the target a little (rendering wrappers).
+    let ctx_a = (a.target_context as f64 * 1.05) as u64 + a.decode_tokens as u64 + 1024;
+    let ctx_b = ctx_a / 4 + 1024;
+    let per = kv_bytes_per_token(c);
+    let kv = 2 * (ctx_a + ctx_b) * per;
+    let states = 2 * p.states;
+    let total = p.weights + kv + states + p.workspace + p.reserve;
+    Ok((
+        total,
+        json!({"weights": p.weights, "kv": kv, "kv_bytes_per_token": per, "kv_tokens_a": ctx_a,
+               "kv_tokens_b": ctx_b, "states": states, "workspace": p.workspace,
+               "reserve": p.reserve, "total": total}),
+    ))
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+fn load(a: &BenchAgentReplayArgs) -> Result<Loaded> {
+    let Some(shape) = &a.synthetic else {
+        let dir = super::model_arg::resolve(&a.model)?;
+        let ck = capy_engine::checkpoint::Checkpoint::open(&dir)?;
+        let (model, backend) = a.backend.load(&ck)?;
+        drop(ck);
+        let (tokenizer, template) = capy_engine::chat_template::load_tokenizer_and_template(&dir)?;
+        return Ok(Loaded {
+            model,
+            tokenizer,
+            template,
+            label: a.model.clone(),
+            backend,
+            gpu: None,
+            vram_plan: None,
+        });
+    };
+    use capy_engine::backend::cuda::CudaBackend;
+    let cfg_json = synthetic_config(shape)?;
+    let cfg = TextConfig::from_value(&cfg_json)?;
+    let tokenizer = Tokenizer::from_json_bytes(&capy_engine::tokenizer::demo_tokenizer_json())?;
+    if cfg.vocab_size < tokenizer.vocab_size() {
+        bail!(
+            "--synthetic {shape}: its vocabulary has {} ids but the tokenizer has {}; a synthetic \
+             model served with this tokenizer needs at least as many",
+            cfg.vocab_size,
+            tokenizer.vocab_size()
+        );
+    }
+    let template = ChatTemplate::from_source(
+        capy_engine::tokenizer::DEMO_CHAT_TEMPLATE,
+        None,
+        Some("<|im_end|>".into()),
+    )?;
+    let quant = match a.quant.to_ascii_lowercase().as_str() {
+        "bf16" | "none" => None,
+        other => Some(capy_engine::backend::cpu::experts::format::RowFormat::parse(other)?),
+    };
+    // The plan is checked before the GPU is opened (a refusal needs no GPU).
+    let (need, plan) = replay_vram_plan(&cfg, quant, a)?;
+    let plan = (a.backend.backend != BackendKind::Cpu).then_some(plan);
+    if let Some(plan) = &plan {
+        eprintln!(
+        "VRAM plan (GiB): weights {:.2} + KV {:.2} (A {} tokens, B {}) + states {:.2} + workspace {:.2} + reserve {:.2} = {:.2}{}",
+        gib(plan["weights"].as_u64().unwrap_or(0)),
+        gib(plan["kv"].as_u64().unwrap_or(0)),
+        plan["kv_tokens_a"],
+        plan["kv_tokens_b"],
+        gib(plan["states"].as_u64().unwrap_or(0)),
+        gib(plan["workspace"].as_u64().unwrap_or(0)),
+        gib(plan["reserve"].as_u64().unwrap_or(0)),
+        gib(need),
+        a.backend
+            .vram_budget
+            .map_or(String::new(), |b| format!(" of a {:.2} GiB budget", gib(b)))
+    );
+        if let Some(budget) = a.backend.vram_budget {
+            if need > budget {
+                let per = plan["kv_bytes_per_token"].as_u64().unwrap_or(1).max(1);
+                let fixed = need - plan["kv"].as_u64().unwrap_or(0);
+                let room = budget.saturating_sub(fixed) / (2 * per);
+                bail!(
+                "--synthetic {shape} --quant {} does not fit --vram-budget {:.2} GiB for a {}-token replay: it needs \
+                 {need} bytes ({:.2} GiB: weights {} + KV {} + states {} + workspace {} + reserve {}). The weights \
+                 alone leave room for about {} tokens of context; use --vram-budget {:.0}GiB or more, a smaller \
+                 --quant, or a shorter --target-context",
+                a.quant,
+                gib(budget),
+                a.target_context,
+                gib(need),
+                plan["weights"],
+                plan["kv"],
+                plan["states"],
+                plan["workspace"],
+                plan["reserve"],
+                room * 4 / 5,
+                gib(need).ceil()
+            );
+            }
+        }
+    }
+    let cuda = match a.backend.backend {
+        BackendKind::Cpu => None,
+        BackendKind::Cuda => Some(CudaBackend::new(0, a.backend.vram_budget).map_err(|e| {
+            anyhow::anyhow!("--backend cuda: no usable CUDA GPU: {e:#}; use --backend cpu")
+        })?),
+        BackendKind::Auto => CudaBackend::new(0, a.backend.vram_budget)
+            .map_err(|e| eprintln!("note: --backend auto: running on the CPU ({e:#})"))
+            .ok(),
+    };
+    let label = format!("synthetic {shape} {}", a.quant.to_ascii_lowercase());
+    let t = Instant::now();
+    let ck = capy_engine::synthetic::checkpoint_from_config(&cfg_json, a.seed)?;
+    let Some(backend) = cuda else {
+        if quant.is_some() {
+            bail!(
+                "--quant {}: synthetic quantized weights are built by the CUDA backend only; use \
+                 --backend cuda or --quant bf16",
+                a.quant
+            );
+        }
+        let model = capy_engine::model::load(capy_engine::backend::cpu::CpuBackend::new(), &ck)?;
+        eprintln!(
+            "{label}: built on the CPU in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        return Ok(Loaded {
+            model,
+            tokenizer,
+            template: Some(template),
+            label,
+            backend: "cpu",
+            gpu: None,
+            vram_plan: None,
+        });
+    };
+    let info = backend.device_info().clone();
+    backend.set_synthetic_quant(quant);
+    let model = capy_engine::model::load(backend.clone(), &ck);
+    backend.set_synthetic_quant(None);
+    let model = model.context("building the synthetic model on the GPU")?;
     drop(ck);
-    let (tokenizer, template) = capy_engine::chat_template::load_tokenizer_and_template(&dir)?;
-    let tokenizer = Arc::new(tokenizer);
-    let scheduler = Scheduler::start(
+    eprintln!(
+        "{label}: built on {} in {:.1} s",
+        info.name,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(Loaded {
         model,
+        tokenizer,
+        template: Some(template),
+        label,
+        backend: "cuda",
+        gpu: Some(
+            json!({"name": info.name, "compute_capability": format!("sm_{}{}", info.compute_capability.0, info.compute_capability.1),
+                         "memory_bytes": info.total_memory, "vram_budget_bytes": a.backend.vram_budget}),
+        ),
+        vram_plan: plan,
+    })
+}
+
+async fn start_server(
+    a: &BenchAgentReplayArgs,
+    loaded: Loaded,
+    cache: Option<CacheConfig>,
+) -> Result<Server> {
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let scheduler = Scheduler::start(
+        loaded.model,
         tokenizer.clone(),
         SchedulerConfig {
             max_batch: 2,
@@ -268,8 +510,8 @@ async fn start_server(a: &BenchAgentReplayArgs, cache: Option<CacheConfig>) -> R
     let state = Arc::new(AppState::new(
         scheduler,
         tokenizer,
-        template,
-        a.model.clone(),
+        loaded.template,
+        loaded.label,
         ServerConfig::default(),
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -312,6 +554,7 @@ async fn replay(
     srv: &Server,
     a: &BenchAgentReplayArgs,
     words: usize,
+    with_b: bool,
 ) -> Result<(Vec<Turn>, Vec<Turn>, Agent)> {
     let mut agent_a = Agent::new("agent-a", TASK_A);
     let mut agent_b = Agent::new("agent-b", "Add a --json flag to the doctor command.");
@@ -327,6 +570,9 @@ async fn replay(
         );
         agent_a.advance(&r.text, words);
         ta.push(r);
+        if !with_b {
+            continue;
+        }
         let r = stream(srv.addr, &agent_b.id, &agent_b.body(a.decode_tokens)).await?;
         agent_b.advance(&r.text, words / 4);
         tb.push(r);
@@ -366,21 +612,42 @@ pub fn run(a: BenchAgentReplayArgs) -> Result<Value> {
 
 async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     let offload = tempfile_dir()?;
+    let loaded = load(&a)?;
+    let (label, backend, gpu, vram_plan) = (
+        loaded.label.clone(),
+        loaded.backend,
+        loaded.gpu.clone(),
+        loaded.vram_plan.clone(),
+    );
     let identity = CacheIdentity {
-        model_id: format!("agent-replay:{}", a.model),
+        model_id: format!("agent-replay:{label}"),
         format: "bench".into(),
     };
     let cache = CacheConfig {
         block_tokens: a.block_tokens,
+        ram_bytes: usize::try_from(a.cache_ram).unwrap_or(usize::MAX),
         // Disk offload starts off; it is switched on through the admin endpoint below.
         disk_dir: None,
         idle: Duration::from_secs(3600),
         ..CacheConfig::new(identity)
     };
-    let on = start_server(&a, Some(cache)).await?;
+    let load_start = Instant::now();
+    let srv = start_server(&a, loaded, Some(cache)).await?;
+    let prefix_cache = srv
+        .state
+        .scheduler
+        .cache()
+        .context("the server was started with a prefix cache")?
+        .clone();
+    // Warm-up (kernels, GEMM heuristics, the memory pool): another system prompt, no tools, so
+    // it shares no prefix with the sessions measured.
+    let warm = json!({"model": "agent-replay", "max_tokens": 2, "stream": true, "temperature": 0,
+                      "system": "Warm-up.", "messages": [{"role": "user", "content": tool_result(7, 300)}]});
+    stream(srv.addr, "warm-up", &warm).await?;
+    let warmup_s = load_start.elapsed().as_secs_f64();
     let probe = Agent::new("agent-a", TASK_A);
     let count = http_json(
-        on.addr,
+        srv.addr,
         "POST",
         "/v1/messages/count_tokens",
         &probe.body(a.decode_tokens),
@@ -389,84 +656,90 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     let base = count["input_tokens"]
         .as_u64()
         .with_context(|| format!("count_tokens answered {count}"))? as usize;
-    let (words, tokens_per_word) = words_per_turn(&on.state, &a, base)?;
+    let (words, tokens_per_word) = words_per_turn(&srv.state, &a, base)?;
     eprintln!("cache on: {} turns, {words} words per tool result", a.turns);
     let t0 = Instant::now();
-    let (on_a, on_b, agent) = replay(&on, &a, words).await?;
+    let (on_a, on_b, agent) = replay(&srv, &a, words, true).await?;
     let on_wall = t0.elapsed().as_secs_f64();
 
     // A's next turn (its last tool result) resumed from RAM; then the same prompt from disk
-    // and recomputed. It stays inside the tool loop: a new plain user message would make the
-    // Qwen template re-render the earlier assistant turns (thinking dropped before the last
-    // user query), which no cache can reuse.
+    // and recomputed. It stays inside the tool loop, as an agent does between user messages.
     let resume = agent.body(a.decode_tokens);
-    let ram = stream(on.addr, &agent.id, &resume).await?;
+    let ram = stream(srv.addr, &agent.id, &resume).await?;
     let dir = offload.path().to_string_lossy().into_owned();
     http_json(
-        on.addr,
+        srv.addr,
         "POST",
         "/admin/disk-offload",
         &json!({"enabled": true, "dir": dir}),
     )
     .await?;
-    let cache = on
-        .state
-        .scheduler
-        .cache()
-        .context("the cache is on")?
-        .clone();
-    cache.lock().unwrap().set_idle(Duration::ZERO);
+    prefix_cache.lock().unwrap().set_idle(Duration::ZERO);
     let t = Instant::now();
     loop {
-        let st = http_json(on.addr, "GET", "/admin/status", &Value::Null).await?;
+        let st = http_json(srv.addr, "GET", "/admin/status", &Value::Null).await?;
         let ram_use = st["use"]["prefix_cache"]["ram_bytes"].as_u64().unwrap_or(1);
         if ram_use == 0 {
             break;
         }
-        if t.elapsed() > Duration::from_secs(120) {
-            bail!("the idle sessions did not move to disk in 2 minutes: {st}");
+        if t.elapsed() > Duration::from_secs(180) {
+            bail!("the idle sessions did not move to disk in 3 minutes: {st}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let offload_s = t.elapsed().as_secs_f64();
-    cache.lock().unwrap().set_idle(Duration::from_secs(3600));
-    let disk = stream(on.addr, &agent.id, &resume).await?;
-    let status = http_json(on.addr, "GET", "/admin/status", &Value::Null).await?;
-    drop(cache);
-    drop(on);
-    // Let the server task end and free the model before the next one loads.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    prefix_cache
+        .lock()
+        .unwrap()
+        .set_idle(Duration::from_secs(3600));
+    let disk = stream(srv.addr, &agent.id, &resume).await?;
+    let status = http_json(srv.addr, "GET", "/admin/status", &Value::Null).await?;
 
-    eprintln!("cache off");
-    let off = start_server(&a, None).await?;
+    // The same loaded model without a cache: lookups and captures off, the RAM tier emptied,
+    // disk offload off.
+    {
+        let mut c = prefix_cache.lock().unwrap();
+        c.set_disk(None)?;
+        c.set_enabled(false);
+    }
+    eprintln!("cache off (session A only)");
     let t0 = Instant::now();
-    let (off_a, off_b, _) = replay(&off, &a, words).await?;
+    let (off_a, _, _) = replay(&srv, &a, words, false).await?;
     let off_wall = t0.elapsed().as_secs_f64();
     // The same resume prompt, recomputed.
-    let recompute = stream(off.addr, &agent.id, &resume).await?;
+    let recompute = stream(srv.addr, &agent.id, &resume).await?;
+    drop(prefix_cache);
+    drop(srv);
 
     let last = a.turns - 1;
     let first_last = |v: &[Turn]| (v[0].ttft_s, v[last].ttft_s);
     let (on1, on20) = first_last(&on_a);
     let (off1, off20) = first_last(&off_a);
+    let mut machine = super::bench::machine();
+    machine["gpu"] = gpu.unwrap_or(Value::Null);
     Ok(json!({
         "bench": "agent-replay",
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "commit": super::bench::commit(),
-        "machine": super::bench::machine(),
-        "model": a.model,
+        "machine": machine,
+        "model": label,
+        "backend": backend,
+        "vram_plan": vram_plan,
         "api": "anthropic /v1/messages, streaming, X-Claude-Code-Session-Id, billing line varying",
         "turns": a.turns,
         "target_context": a.target_context,
         "decode_tokens": a.decode_tokens,
         "prefill_chunk": a.prefill_chunk,
         "block_tokens": a.block_tokens,
+        "cache_ram_bytes": a.cache_ram,
         "tool_result_words": words,
         "tokens_per_word": tokens_per_word,
         "final_context_tokens": on_a[last].prompt_tokens,
+        "load_and_warmup_s": warmup_s,
         "ttft_definition": "request sent to the first streamed event after message_start",
         "cache_on": {"session_a": turns_json(&on_a), "session_b": turns_json(&on_b), "wall_s": on_wall},
-        "cache_off": {"session_a": turns_json(&off_a), "session_b": turns_json(&off_b), "wall_s": off_wall},
+        "cache_off": {"session_a": turns_json(&off_a), "wall_s": off_wall,
+                      "note": "same loaded model, cache switched off; session A only (without a cache B cannot change A's turns)"},
         "resume": {
             "prompt_tokens": disk.prompt_tokens,
             "ram": {"ttft_ms": ram.ttft_s * 1e3, "cached_tokens": ram.cached_tokens, "prompt_tokens": ram.prompt_tokens},
