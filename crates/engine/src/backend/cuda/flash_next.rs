@@ -519,11 +519,15 @@ impl CudaBackend {
         // Quantized experts of one gate_up and one down format (the hybrid cache's copies):
         // the grouped kernels of moe_quant.cu, 6 u64 per group (pointers, slots, multipliers).
         let quant_uniform = match (first.gate_up.quant, first.down.quant) {
-            (Some(gq), Some(dq)) if hidden % 8 == 0 && inter % 8 == 0 => experts
+            (Some(gq), Some(dq)) if hidden % 8 == 0 && inter.is_multiple_of(8) => experts
                 .iter()
                 .all(|e| {
-                    e.gate_up.quant.is_some_and(|q| q.code == gq.code && q.row_bytes == gq.row_bytes)
-                        && e.down.quant.is_some_and(|q| q.code == dq.code && q.row_bytes == dq.row_bytes)
+                    e.gate_up
+                        .quant
+                        .is_some_and(|q| q.code == gq.code && q.row_bytes == gq.row_bytes)
+                        && e.down
+                            .quant
+                            .is_some_and(|q| q.code == dq.code && q.row_bytes == dq.row_bytes)
                 })
                 .then_some((gq, dq)),
             _ => None,
