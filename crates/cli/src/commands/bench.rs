@@ -58,7 +58,7 @@ pub struct CpuArgs {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let record = match a.kind {
+    let mut record = match a.kind {
         Kind::Cpu(c) => bench_cpu(c)?,
         Kind::CpuExperts(c) => super::bench_cpu_experts::run(c)?,
         Kind::Gpu(g) => super::bench_gpu::run(g)?,
@@ -66,6 +66,12 @@ pub fn run(a: Args) -> Result<()> {
         Kind::Http(h) => super::bench_http::run(h)?,
         Kind::AgentReplay(r) => super::bench_agent_replay::run(r)?,
     };
+    // Every record says what produced it (the benches that set these themselves keep theirs).
+    if let Some(obj) = record.as_object_mut() {
+        obj.entry("command")
+            .or_insert_with(|| std::env::args().collect::<Vec<_>>().join(" ").into());
+        obj.entry("commit").or_insert_with(|| commit().into());
+    }
     let text = serde_json::to_string_pretty(&record)?;
     println!("{text}");
     if let Some(path) = a.out {

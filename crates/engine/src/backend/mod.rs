@@ -146,6 +146,10 @@ pub trait Backend: Send + Sync + 'static {
     #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Act;
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
+    /// Starts the work queued so far without waiting for it. A backend that records work
+    /// before launching it (CUDA graphs) launches the recording here; call it before long
+    /// host work that the device should overlap.
+    fn submit(&self) {}
     fn zeros(&self, rows: usize, cols: usize) -> Self::Act;
     /// `(rows, cols)` of an activation.
     fn shape(&self, x: &Self::Act) -> (usize, usize);

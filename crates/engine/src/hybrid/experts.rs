@@ -278,6 +278,7 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
 
         // 3. Host pairs on the CPU expert kernels, while the device works.
         if let (Some(h), Some(x_host)) = (&split.host, &x_host) {
+            b.submit();
             let pairs = h.experts.len();
             if st.scratch.is_none() || st.scratch_pairs < pairs {
                 st.scratch = Some(MoeScratch::new(

@@ -14,8 +14,18 @@ use std::time::Instant;
 
 impl CudaBackend {
     /// Milliseconds of GPU time `work` queues, between two events on the stream.
+    /// The work runs directly (no graph recording: an event cannot be recorded into one and
+    /// waited on from the host).
     pub fn time_ms(&self, work: impl FnOnce()) -> Result<f32> {
         self.bind();
+        let graphs = self.cuda_graphs();
+        self.set_cuda_graphs(false)?;
+        let ms = self.time_ms_direct(work);
+        self.set_cuda_graphs(graphs)?;
+        ms
+    }
+
+    fn time_ms_direct(&self, work: impl FnOnce()) -> Result<f32> {
         let start = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DEFAULT)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let end = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DEFAULT)
@@ -323,13 +333,16 @@ fn median(v: &mut [f64]) -> f64 {
 pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let cfg_json = crate::synthetic::config(&opts.shape)?;
     let cfg = TextConfig::from_value(&cfg_json)?;
-    let plan = plan_vram(&cfg, opts.quant, opts.context, opts.decode_steps)?;
+    // Decode runs eager, then with graphs (each after two warm-up steps), then once more in
+    // the default mode where that is eager.
+    let decode_total_steps = 3 * opts.decode_steps + 4;
+    let plan = plan_vram(&cfg, opts.quant, opts.context, decode_total_steps)?;
     let quant_name = opts.quant.map_or("bf16".to_string(), |f| f.name());
     eprintln!(
         "VRAM plan for {} ({quant_name}, {} + {} tokens): weights {}, KV {}, states {}, workspace {}, reserve {} = {}{}",
         opts.shape,
         opts.context,
-        opts.decode_steps,
+        decode_total_steps,
         gib(plan.weights),
         gib(plan.kv),
         gib(plan.states),
@@ -441,33 +454,58 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let prefill_flops = 2.0 * matmul_params * n + 2.0 * head_params + attn_flops;
     let prefill_tok_s = n / prefill_s;
 
-    let mut step_s = Vec::with_capacity(opts.decode_steps);
     let mut next = logits[0]
         .iter()
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(i, _)| i as u32)
         .unwrap_or(0);
-    let launches_before = backend.launches();
-    let t_all = Instant::now();
-    for _ in 0..opts.decode_steps {
-        let t = Instant::now();
-        let out = model.forward(&[BatchItem {
-            seq,
-            tokens: &[next],
-            logits: LogitsWanted::Last,
-        }])?;
-        step_s.push(t.elapsed().as_secs_f64());
-        next = out[0]
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map(|(i, _)| i as u32)
-            .unwrap_or(0);
-    }
-    let decode_total_s = t_all.elapsed().as_secs_f64();
-    let launches_per_token =
-        (backend.launches() - launches_before) as f64 / opts.decode_steps.max(1) as f64;
+    // Greedy decode steps: (seconds per step, seconds in all, work items queued).
+    let mut decode = |steps: usize| -> Result<(Vec<f64>, f64, u64)> {
+        let mut step_s = Vec::with_capacity(steps);
+        let launches_before = backend.launches();
+        let t_all = Instant::now();
+        for _ in 0..steps {
+            let t = Instant::now();
+            let out = model.forward(&[BatchItem {
+                seq,
+                tokens: &[next],
+                logits: LogitsWanted::Last,
+            }])?;
+            step_s.push(t.elapsed().as_secs_f64());
+            next = out[0]
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i as u32)
+                .unwrap_or(0);
+        }
+        Ok((
+            step_s,
+            t_all.elapsed().as_secs_f64(),
+            backend.launches() - launches_before,
+        ))
+    };
+    // The same steps with CUDA graphs off and on (the first steps of each mode warm it up:
+    // graph instantiation, the buffer pool), so their ratio is measured in one run.
+    let graphs_default = backend.cuda_graphs();
+    backend.set_cuda_graphs(false)?;
+    decode(2)?;
+    let (mut eager_steps, eager_total_s, _) = decode(opts.decode_steps)?;
+    backend.set_cuda_graphs(true)?;
+    decode(2)?;
+    let graphs_before = backend.graph_stats();
+    let (graph_steps, graph_total_s, graph_launches) = decode(opts.decode_steps)?;
+    let graphs_after = backend.graph_stats();
+    backend.set_cuda_graphs(graphs_default)?;
+    let (step_s, decode_total_s, launches) = if graphs_default {
+        (graph_steps, graph_total_s, graph_launches)
+    } else {
+        let (s, t, l) = decode(opts.decode_steps)?;
+        (s, t, l)
+    };
+    let eager_median_step = median(&mut eager_steps);
+    let launches_per_token = launches as f64 / opts.decode_steps.max(1) as f64;
     let ledger_peak = backend.ledger().peak;
     let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
     let median_step = median(&mut step_s.clone());
@@ -563,6 +601,17 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "roofline_tokens_per_s": roof_tok_s,
             "bandwidth_roofline_ratio": decode_tok_s / roof_tok_s,
             "bandwidth_roofline_ratio_with_kv_and_state": decode_tok_s / roof_with_state,
+            "cuda_graphs": graphs_default,
+            "eager_tokens_per_s": opts.decode_steps as f64 / eager_total_s,
+            "eager_median_step_ms": eager_median_step * 1e3,
+            "graphs_tokens_per_s": opts.decode_steps as f64 / graph_total_s,
+            "graphs_over_eager_speedup_ratio": eager_total_s / graph_total_s,
+            "graph_launches_per_token": (graphs_after.launched - graphs_before.launched) as f64 / opts.decode_steps.max(1) as f64,
+            "graph_updates": graphs_after.updated - graphs_before.updated,
+            "graph_instantiations": graphs_after.instantiated - graphs_before.instantiated,
+            "graph_record_ms_per_token": (graphs_after.record_ns - graphs_before.record_ns) as f64 / 1e6 / opts.decode_steps.max(1) as f64,
+            "graph_flush_ms_per_token": (graphs_after.flush_ns - graphs_before.flush_ns) as f64 / 1e6 / opts.decode_steps.max(1) as f64,
+            "graph_last_update_refusal": graphs_after.last_update_refusal,
             "peer_llama_cpp_q4_k_tokens_per_s": 86.7,
             "ratio_to_peer_llama_cpp_q4_k": decode_tok_s / 86.7,
         },

@@ -20,7 +20,6 @@
 
 use super::{ceil_div, grid_1d, CudaBackend, CudaMatrix, CudaTensor, DevBuf};
 use crate::backend::{cpu, AttentionShape, Backend, ExpertMatrices, MoeRouting, QsaShape};
-use cudarc::driver::result as drv;
 use std::ffi::c_void;
 
 /// Rows per expert up to which the grouped matvec kernels run (`MOE_MAX_ROWS` in moe.cu).
@@ -107,14 +106,7 @@ impl CudaBackend {
     /// Copies `len` values of `T` from the device to a new host vector (waits for the stream).
     fn download<T: Copy + Default>(&self, ptr: u64, len: usize) -> Vec<T> {
         let mut out = vec![T::default(); len];
-        self.bind();
-        if len > 0 {
-            // SAFETY: `ptr` holds at least `len` values of T (callers allocate them); the stream
-            // is synchronised before the vector is read.
-            unsafe { drv::memcpy_dtoh_async(&mut out, ptr, self.stream()) }
-                .expect("device-to-host copy failed");
-        }
-        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        self.dtoh(&mut out, ptr);
         out
     }
 

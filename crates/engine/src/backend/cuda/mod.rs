@@ -16,6 +16,7 @@
 
 pub mod bench;
 pub mod flash_next;
+pub mod graph;
 mod host_pin;
 pub mod kernels;
 
@@ -25,7 +26,7 @@ use crate::tensor::{DType, HostTensor};
 use anyhow::{bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaStream};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_void, CString};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -146,6 +147,11 @@ struct Inner {
     matrix_elems: AtomicU64,
     /// Benchmarks only: replace uploaded projection matrices by random blocks of this format.
     synthetic_quant: Mutex<Option<RowFormat>>,
+    /// Decode steps recorded as CUDA graphs (`graph.rs`).
+    graphs: graph::GraphRecorder,
+    /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
+    /// allocation would belong to the graph); freed with `cuMemFree`, never `cuMemFreeAsync`.
+    sync_allocated: Mutex<HashSet<drv_sys::CUdeviceptr>>,
 }
 
 struct BlasHandle(blas_sys::cublasHandle_t);
@@ -161,13 +167,32 @@ unsafe impl Sync for Function {}
 impl Inner {
     /// Returns every pooled buffer to the driver.
     fn trim_pool(&self) {
+        if self.graphs.capturing() {
+            // A free cannot be recorded; the pool is trimmed at the next chance.
+            return;
+        }
         let mut pool = self.pool.lock().expect("buffer pool poisoned");
         for (bytes, ptrs) in pool.drain() {
             for ptr in ptrs {
-                // SAFETY: pooled buffers are owned by no tensor; freed once, in stream order.
-                let _ = unsafe { drv::free_async(ptr, self.stream.cu_stream()) };
+                self.free_device(ptr);
                 self.pooled.fetch_sub(bytes as u64, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// Frees a buffer this backend allocated (not while recording a graph).
+    fn free_device(&self, ptr: drv_sys::CUdeviceptr) {
+        let sync = self
+            .sync_allocated
+            .lock()
+            .expect("allocation set poisoned")
+            .remove(&ptr);
+        if sync {
+            // SAFETY: allocated by cuMemAlloc while recording; cuMemFree waits for the device.
+            let _ = unsafe { drv_sys::cuMemFree_v2(ptr) };
+        } else {
+            // SAFETY: owned by no tensor; freed once, in stream order.
+            let _ = unsafe { drv::free_async(ptr, self.stream.cu_stream()) };
         }
     }
 }
@@ -175,6 +200,11 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        if let Ok(frees) = self.graphs.flush(self.stream.cu_stream()) {
+            for ptr in frees {
+                self.free_device(ptr);
+            }
+        }
         self.trim_pool();
         let _ = self.stream.synchronize();
         if let Ok(h) = self.blas.lock() {
@@ -196,9 +226,11 @@ impl Drop for DevBuf {
     fn drop(&mut self) {
         if self.bytes > 0 {
             let _ = self.dev.ctx.bind_to_thread();
-            if self.weight {
-                // SAFETY: allocated on this stream, freed once; later work on the stream is ordered after.
-                let _ = unsafe { drv::free_async(self.ptr, self.dev.stream.cu_stream()) };
+            if self.weight && self.dev.graphs.capturing() {
+                self.dev.graphs.defer_free(self.ptr);
+            } else if self.weight {
+                // Freed once; later work on the stream is ordered after.
+                self.dev.free_device(self.ptr);
             } else if let Ok(mut pool) = self.dev.pool.lock() {
                 pool.entry(self.bytes).or_default().push(self.ptr);
                 self.dev
@@ -519,6 +551,8 @@ impl CudaBackend {
                 launches: AtomicU64::new(0),
                 matrix_elems: AtomicU64::new(0),
                 synthetic_quant: Mutex::new(None),
+                graphs: graph::GraphRecorder::new(graph::graphs_requested()),
+                sync_allocated: Mutex::new(HashSet::new()),
             }),
         })
     }
@@ -583,10 +617,87 @@ impl CudaBackend {
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<()> {
         self.bind();
+        self.submit_recorded()?;
         self.inner
             .stream
             .synchronize()
-            .map_err(|e| anyhow::anyhow!("CUDA stream failed: {e}"))
+            .map_err(|e| anyhow::anyhow!("CUDA stream failed: {e}"))?;
+        self.inner.graphs.after_sync();
+        Ok(())
+    }
+
+    /// Launches the graph being recorded (if any), without waiting for it.
+    fn submit_recorded(&self) -> Result<()> {
+        for ptr in self.inner.graphs.flush(self.stream())? {
+            self.inner.free_device(ptr);
+        }
+        Ok(())
+    }
+
+    /// Records decode steps as CUDA graphs (`CAPY_CUDA_GRAPHS=1` at start) or launches every
+    /// op directly (the default).
+    pub fn set_cuda_graphs(&self, on: bool) -> Result<()> {
+        self.bind();
+        self.submit_recorded()?;
+        self.inner.graphs.set_enabled(on);
+        Ok(())
+    }
+
+    pub fn cuda_graphs(&self) -> bool {
+        self.inner.graphs.enabled()
+    }
+
+    pub fn graph_stats(&self) -> graph::GraphStats {
+        self.inner.graphs.stats()
+    }
+
+    /// Counts a work item and starts a graph recording where one is due; called before every
+    /// kernel, copy, memset and GEMM is queued.
+    fn queue_work(&self) {
+        self.inner.launches.fetch_add(1, Ordering::Relaxed);
+        self.inner.graphs.before_work(self.stream());
+    }
+
+    /// Queues a copy of host data to the device. While a graph is being recorded the data is
+    /// staged in page-locked memory first (a recorded copy reads its source when it runs).
+    fn htod<T: Copy>(&self, dst: drv_sys::CUdeviceptr, data: &[T]) {
+        if data.is_empty() {
+            return;
+        }
+        self.queue_work();
+        let bytes = std::mem::size_of_val(data);
+        if self.inner.graphs.capturing() {
+            // SAFETY: `data` is `bytes` bytes of plain values.
+            let raw = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
+            let staged = self.inner.graphs.stage(raw);
+            // SAFETY: `dst` holds `bytes` bytes (callers allocate it); the staged copy stays
+            // valid until the stream has been synchronised.
+            let r = unsafe {
+                drv_sys::cuMemcpyHtoDAsync_v2(dst, staged as *const c_void, bytes, self.stream())
+            };
+            assert!(
+                r == drv_sys::CUresult::CUDA_SUCCESS,
+                "host-to-device copy (recorded) failed: {r:?}"
+            );
+        } else {
+            // SAFETY: as above; the copy from pageable memory is staged by the driver before
+            // the call returns, so `data` may be dropped afterwards.
+            unsafe { drv::memcpy_htod_async(dst, data, self.stream()) }
+                .expect("host-to-device copy failed");
+        }
+    }
+
+    /// Copies device memory into `out`, waiting for the stream (and launching what is recorded).
+    fn dtoh<T: Copy>(&self, out: &mut [T], src: drv_sys::CUdeviceptr) {
+        self.bind();
+        self.submit_recorded().unwrap_or_else(|e| panic!("{e:#}"));
+        if !out.is_empty() {
+            // SAFETY: `src` holds `out.len()` values of T (callers allocate it); the stream is
+            // synchronised before `out` is read.
+            unsafe { drv::memcpy_dtoh_async(out, src, self.stream()) }
+                .expect("device-to-host copy failed");
+        }
+        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     fn bind(&self) {
@@ -627,6 +738,9 @@ impl CudaBackend {
                     dev: self.inner.clone(),
                 });
             }
+        }
+        if self.inner.graphs.capturing() {
+            return self.alloc_while_recording(bytes, what, weight);
         }
         // Pooled memory counts against the budget too: give it back before exceeding it.
         let held = self.inner.ledger.used.load(Ordering::Relaxed)
@@ -675,6 +789,36 @@ impl CudaBackend {
         }
     }
 
+    /// A pool miss while a graph is recorded (a KV cache outgrowing its capacity): the
+    /// synchronous allocator, since a stream-ordered allocation would belong to the graph.
+    fn alloc_while_recording(&self, bytes: usize, what: &str, weight: bool) -> Result<DevBuf> {
+        self.inner.ledger.reserve(bytes as u64, what)?;
+        let mut ptr: drv_sys::CUdeviceptr = 0;
+        // SAFETY: a plain device allocation (allowed in relaxed capture mode).
+        let r = unsafe { drv_sys::cuMemAlloc_v2(&mut ptr, bytes) };
+        if r != drv_sys::CUresult::CUDA_SUCCESS {
+            self.inner.ledger.release(bytes as u64);
+            bail!("CUDA out of memory allocating {bytes} bytes for {what} while recording a decode step ({r:?})");
+        }
+        self.inner
+            .sync_allocated
+            .lock()
+            .expect("allocation set poisoned")
+            .insert(ptr);
+        if weight {
+            self.inner
+                .ledger
+                .weights
+                .fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+        Ok(DevBuf {
+            ptr,
+            bytes,
+            weight,
+            dev: self.inner.clone(),
+        })
+    }
+
     fn alloc(&self, bytes: usize, what: &str) -> DevBuf {
         self.try_alloc(bytes, what, false)
             .unwrap_or_else(|e| panic!("{e:#}"))
@@ -692,7 +836,7 @@ impl CudaBackend {
 
     fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) {
         if bytes > 0 {
-            self.inner.launches.fetch_add(1, Ordering::Relaxed);
+            self.queue_work();
             // SAFETY: both ranges are inside live allocations (callers check shapes).
             unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream()) }
                 .expect("device copy failed");
@@ -702,12 +846,7 @@ impl CudaBackend {
     /// Uploads `data` into a fresh buffer (small per-call tables: ids, positions).
     fn upload<T: Copy>(&self, data: &[T], what: &str) -> DevBuf {
         let buf = self.alloc(std::mem::size_of_val(data), what);
-        if buf.bytes > 0 {
-            // SAFETY: the buffer has exactly this many bytes; the copy from pageable memory is
-            // staged before the call returns, so `data` may be dropped afterwards.
-            unsafe { drv::memcpy_htod_async(buf.ptr, data, self.stream()) }
-                .expect("host-to-device copy failed");
-        }
+        self.htod(buf.ptr, data);
         buf
     }
 
@@ -724,7 +863,7 @@ impl CudaBackend {
             .functions
             .get(name)
             .unwrap_or_else(|| panic!("kernel {name} is not loaded"));
-        self.inner.launches.fetch_add(1, Ordering::Relaxed);
+        self.queue_work();
         // SAFETY: the parameters match the kernel's signature (each call site mirrors the .cu file).
         unsafe { drv::launch_kernel(f.0, grid, block, smem, self.stream(), params) }
             .unwrap_or_else(|e| {
@@ -755,7 +894,7 @@ impl CudaBackend {
             }
         };
         let beta = 0f32;
-        self.inner.launches.fetch_add(1, Ordering::Relaxed);
+        self.queue_work();
         let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");
         // SAFETY: pointers and leading dimensions describe live device buffers (callers check shapes).
         unsafe {
@@ -1181,11 +1320,7 @@ impl Backend for CudaBackend {
         };
         let bytes = t.data.as_slice();
         let buf = self.try_alloc(bytes.len(), &format!("weight {}", t.name), true)?;
-        if !bytes.is_empty() {
-            // SAFETY: the buffer has exactly this many bytes.
-            unsafe { drv::memcpy_htod_async(buf.ptr, bytes, self.stream()) }
-                .map_err(|e| anyhow::anyhow!("uploading {} failed: {e}", t.name))?;
-        }
+        self.htod(buf.ptr, bytes);
         Ok(CudaMatrix {
             rows: t.shape[0],
             cols: t.shape[1],
@@ -1242,11 +1377,7 @@ impl Backend for CudaBackend {
         self.inner
             .matrix_elems
             .fetch_add((rows * cols) as u64, Ordering::Relaxed);
-        if !blocks.is_empty() {
-            // SAFETY: the buffer has exactly this many bytes.
-            unsafe { drv::memcpy_htod_async(buf.ptr, blocks, self.stream()) }
-                .map_err(|e| anyhow::anyhow!("uploading {what} failed: {e}"))?;
-        }
+        self.htod(buf.ptr, blocks);
         Ok(CudaMatrix {
             rows,
             cols,
@@ -1263,11 +1394,7 @@ impl Backend for CudaBackend {
 
     fn vector(&self, values: &[f32]) -> Result<CudaVector> {
         let buf = self.try_alloc(values.len() * 4, "parameter vector", true)?;
-        if !values.is_empty() {
-            // SAFETY: the buffer has exactly this many bytes.
-            unsafe { drv::memcpy_htod_async(buf.ptr, values, self.stream()) }
-                .map_err(|e| anyhow::anyhow!("upload failed: {e}"))?;
-        }
+        self.htod(buf.ptr, values);
         Ok(CudaVector {
             len: values.len(),
             buf,
@@ -1277,31 +1404,26 @@ impl Backend for CudaBackend {
     fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
         assert_eq!(rows * cols, data.len());
         let t = self.alloc_act(rows, cols, rows);
-        if !data.is_empty() {
-            // SAFETY: the buffer holds rows·cols f32.
-            unsafe { drv::memcpy_htod_async(t.ptr(), data, self.stream()) }
-                .expect("host-to-device copy failed");
-        }
+        self.htod(t.ptr(), data);
         t
     }
 
     fn to_host(&self, x: &CudaTensor) -> Vec<f32> {
         let mut out = vec![0f32; x.len()];
-        self.bind();
-        if !out.is_empty() {
-            // SAFETY: the tensor holds this many f32; the stream is synchronised before reading.
-            unsafe { drv::memcpy_dtoh_async(&mut out, x.ptr(), self.stream()) }
-                .expect("device-to-host copy failed");
-        }
-        self.synchronize().unwrap_or_else(|e| panic!("{e:#}"));
+        self.dtoh(&mut out, x.ptr());
         out
+    }
+
+    fn submit(&self) {
+        self.bind();
+        self.submit_recorded().unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> CudaTensor {
         let t = self.alloc_act(rows, cols, rows);
         if t.buf.bytes > 0 {
+            self.queue_work();
             // SAFETY: inside the allocation.
-            self.inner.launches.fetch_add(1, Ordering::Relaxed);
             unsafe { drv::memset_d8_async(t.ptr(), 0, t.buf.bytes, self.stream()) }
                 .expect("memset failed");
         }
@@ -1370,6 +1492,10 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaMatrix, ids: &[u32]) -> CudaTensor {
+        // A forward pass starts here: decode-sized steps are recorded as graphs.
+        self.bind();
+        self.submit_recorded().unwrap_or_else(|e| panic!("{e:#}"));
+        self.inner.graphs.begin_step(ids.len(), MATVEC_MAX_ROWS);
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
             panic!(
                 "embedding: id {bad} is outside the table's {} rows",
