@@ -1,9 +1,10 @@
 //! The prefix cache through the scheduler on the tiny transformers fixtures of both
 //! architectures: every cached generation (hit at any depth, from RAM, from disk, after a
-//! restart, interleaved sessions) yields exactly the tokens of an uncached one.
+//! restart, interleaved sessions, continued on a parked sequence or after its rollback) yields
+//! exactly the tokens of an uncached one.
 
 use capy_engine::backend::cpu::CpuBackend;
-use capy_engine::cache::{CacheConfig, CacheIdentity, Tier};
+use capy_engine::cache::{CacheConfig, CacheIdentity, PrefixCache, Tier};
 use capy_engine::checkpoint::Checkpoint;
 use capy_engine::model;
 use capy_engine::sampling::SamplingParams;
@@ -34,6 +35,12 @@ fn identity(name: &str) -> CacheIdentity {
 }
 
 fn scheduler(name: &str, cache: Option<CacheConfig>) -> Scheduler {
+    parking_scheduler(name, cache, SchedulerConfig::default().max_parked)
+}
+
+/// A scheduler keeping at most `max_parked` finished sequences on the device (0: none, every
+/// turn goes to the host cache).
+fn parking_scheduler(name: &str, cache: Option<CacheConfig>, max_parked: usize) -> Scheduler {
     let ck = Checkpoint::open(&fixture(name)).unwrap();
     let m = model::load(CpuBackend::new(), &ck).unwrap();
     Scheduler::start(
@@ -43,6 +50,7 @@ fn scheduler(name: &str, cache: Option<CacheConfig>) -> Scheduler {
             max_batch: 4,
             prefill_chunk: 40,
             prefix_cache: cache,
+            max_parked,
             ..Default::default()
         },
     )
@@ -165,12 +173,12 @@ fn cached_turns_generate_exactly_the_uncached_tokens() {
 
 #[test]
 fn interleaved_sessions_keep_their_prefixes_under_a_small_budget() {
-    for name in MODELS {
+    for (name, max_parked) in MODELS.into_iter().flat_map(|m| [(m, 0), (m, 4)]) {
         let reference = scheduler(name, None);
         let (a, a_answers) = conversation(&reference, 11, 3);
         let (b, b_answers) = conversation(&reference, 12, 3);
         // Measure one long state, then give RAM room for about two of them.
-        let probe = scheduler(name, Some(cache_config(name, None, 1 << 30)));
+        let probe = parking_scheduler(name, Some(cache_config(name, None, 1 << 30)), 0);
         generate(&probe, &a.prompts[2], Some("probe"));
         let one = probe
             .cache()
@@ -181,7 +189,7 @@ fn interleaved_sessions_keep_their_prefixes_under_a_small_budget() {
             .usage
             .ram_bytes as usize;
         let budget = one * 2;
-        let cached = scheduler(name, Some(cache_config(name, None, budget)));
+        let cached = parking_scheduler(name, Some(cache_config(name, None, budget)), max_parked);
         for t in 0..3 {
             // Both sessions' turns run at the same time.
             let (sa, sb) = (&cached, &cached);
@@ -204,9 +212,28 @@ fn interleaved_sessions_keep_their_prefixes_under_a_small_budget() {
             generate(&cached, &ids(500 + i, 20), Some("small"));
         }
         let c = cached.cache().unwrap().lock().unwrap();
-        let deepest = |s: &str| c.entries_of(s).last().map(|e| e.0);
-        assert_eq!(deepest("a"), Some(a.tips[2]), "{name}");
-        assert_eq!(deepest("b"), Some(b.tips[2]), "{name}");
+        if max_parked == 0 {
+            let deepest = |s: &str| c.entries_of(s).last().map(|e| e.0);
+            assert_eq!(deepest("a"), Some(a.tips[2]), "{name}");
+            assert_eq!(deepest("b"), Some(b.tips[2]), "{name}");
+        } else {
+            // Both conversations stay parked on the device; the small session has one slot.
+            let parked = c.parked_sessions();
+            assert!(
+                parked.contains(&("a".into(), a.tips[2])),
+                "{name}: {parked:?}"
+            );
+            assert!(
+                parked.contains(&("b".into(), b.tips[2])),
+                "{name}: {parked:?}"
+            );
+            let vram = c.status().sessions;
+            assert!(
+                vram.iter()
+                    .any(|s| s.id == "a" && s.tier == Tier::Vram && s.tokens == a.tips[2]),
+                "{name}: {vram:?}"
+            );
+        }
     }
 }
 
@@ -225,7 +252,10 @@ fn disk_tier_and_restart_give_the_same_tokens() {
             // Idle: everything moves to disk (the scheduler does it while waiting).
             let cache = cached.cache().unwrap().clone();
             let t0 = std::time::Instant::now();
-            while cache.lock().unwrap().status().usage.ram_bytes > 0 {
+            let in_memory = |c: &capy_engine::cache::PrefixCache| {
+                c.status().usage.ram_bytes > 0 || !c.parked_sessions().is_empty()
+            };
+            while in_memory(&cache.lock().unwrap()) {
                 assert!(t0.elapsed().as_secs() < 20, "{name}: nothing moved to disk");
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }
@@ -270,7 +300,10 @@ fn a_corrupted_disk_entry_is_recomputed_not_used() {
         let cached = scheduler(name, Some(cfg.clone()));
         generate(&cached, &conv.prompts[0], Some("x"));
         let cache = cached.cache().unwrap().clone();
-        while cache.lock().unwrap().status().usage.ram_bytes > 0 {
+        let in_memory = |c: &capy_engine::cache::PrefixCache| {
+            c.status().usage.ram_bytes > 0 || !c.parked_sessions().is_empty()
+        };
+        while in_memory(&cache.lock().unwrap()) {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
     }
@@ -312,8 +345,9 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
         let (b, b_answers) = conversation(&reference, 42, 2);
         // RAM for half of one first turn's entries (two boundary snapshots and the tip, the
         // tip the largest): one tip fits, two do not, so b's turn pushes a's intermediates,
-        // then a's conversation itself, down to disk.
-        let probe = scheduler(name, Some(cache_config(name, None, 1 << 30)));
+        // then a's conversation itself, down to disk. One parked sequence: b's parks evict
+        // a's to RAM (and so on), so the turns resume from the host tiers.
+        let probe = parking_scheduler(name, Some(cache_config(name, None, 1 << 30)), 0);
         generate(&probe, &a.prompts[0], Some("probe"));
         // The end-of-turn capture follows the Finished event: wait for it.
         let t0 = std::time::Instant::now();
@@ -330,24 +364,33 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
             std::thread::sleep(std::time::Duration::from_millis(10));
         };
         let budget = one / 2;
-        let cached = scheduler(name, Some(cache_config(name, Some(dir.path()), budget)));
+        let cached = parking_scheduler(name, Some(cache_config(name, Some(dir.path()), budget)), 1);
         assert_eq!(generate(&cached, &a.prompts[0], Some("a")).0, a_answers[0]);
         assert_eq!(generate(&cached, &b.prompts[0], Some("b")).0, b_answers[0]);
+        wait_for(&cached, "b parked", parked_is("b", b.tips[0]));
         {
             let mut c = cached.cache().unwrap().lock().unwrap();
             // Entries moving down are written on the cache's writer thread.
             c.wait_writes();
             assert!(c.ram_use() <= budget, "{name}: over the RAM budget");
+            // a's conversation left the device for RAM, the newest there; it pushed the older
+            // entries (a's boundaries, b's shared ones) down to disk.
             let a_tiers = c.entries_of("a");
             assert_eq!(
                 a_tiers.last(),
-                Some(&(a.tips[0], Tier::Disk)),
-                "{name}: a's conversation was not moved to disk: {a_tiers:?}"
+                Some(&(a.tips[0], Tier::Ram)),
+                "{name}: a's conversation was not exported: {a_tiers:?}"
+            );
+            let b_tiers = c.entries_of("b");
+            assert!(
+                b_tiers.iter().all(|e| e.1 == Tier::Disk) && !b_tiers.is_empty(),
+                "{name}: b's entries stayed in RAM: {b_tiers:?}"
             );
         }
-        // a returns: its turn resumes from disk and generates exactly the uncached tokens.
+        // a returns: its turn resumes from the host cache and generates exactly the uncached
+        // tokens.
         let (got, usage) = generate(&cached, &a.prompts[1], Some("a"));
-        assert_eq!(got, a_answers[1], "{name}: a resumed from disk");
+        assert_eq!(got, a_answers[1], "{name}: a resumed from the host cache");
         assert_eq!(usage.cached_tokens, a.tips[0], "{name}");
         let (got, usage) = generate(&cached, &b.prompts[1], Some("b"));
         assert_eq!(got, b_answers[1], "{name}: b after a");
@@ -355,5 +398,153 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
         let mut c = cached.cache().unwrap().lock().unwrap();
         c.wait_writes();
         assert!(c.ram_use() <= budget);
+    }
+}
+
+/// Waits (at most 20 s) until `done` holds for the cache: parking a finished turn's sequence,
+/// and exporting the ones it evicts, follow its Finished event.
+fn wait_for(s: &Scheduler, what: &str, done: impl Fn(&PrefixCache) -> bool) {
+    let t0 = std::time::Instant::now();
+    while !done(&s.cache().unwrap().lock().unwrap()) {
+        assert!(t0.elapsed().as_secs() < 20, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+fn parked_is(session: &str, tokens: usize) -> impl Fn(&PrefixCache) -> bool + '_ {
+    move |c| c.parked_sessions() == [(session.to_string(), tokens)]
+}
+
+fn parked_hits(s: &Scheduler) -> u64 {
+    s.metrics()
+        .prefix_cache_parked_hits_total
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `prompt`'s last block boundary before its end: where a turn's sequence is checkpointed.
+fn checkpoint_of(prompt: &[u32]) -> usize {
+    (prompt.len() - 1) / 16 * 16
+}
+
+#[test]
+fn turns_continue_on_the_parked_sequence_exactly_and_copy_nothing() {
+    for name in MODELS {
+        let reference = scheduler(name, None);
+        let (conv, answers) = conversation(&reference, 51, 3);
+        let cached = scheduler(name, Some(cache_config(name, None, 64 << 20)));
+        for (t, (p, want)) in conv.prompts.iter().zip(&answers).enumerate() {
+            let (got, usage) = generate(&cached, p, Some("s"));
+            assert_eq!(&got, want, "{name}: turn {t}");
+            let resumed = if t == 0 { 0 } else { conv.tips[t - 1] };
+            assert_eq!(usage.cached_tokens, resumed, "{name}: turn {t}");
+            assert_eq!(parked_hits(&cached), t as u64, "{name}: turn {t}");
+            wait_for(&cached, "the turn parked", parked_is("s", conv.tips[t]));
+        }
+        let c = cached.cache().unwrap().lock().unwrap();
+        // Only the first turn's shared boundaries went to the host; no turn was exported.
+        let host: Vec<usize> = c.entries_of("s").iter().map(|e| e.0).collect();
+        assert_eq!(host, [32, 64], "{name}");
+        assert_eq!(c.status().hits, 2, "{name}");
+    }
+}
+
+#[test]
+fn a_prompt_leaving_the_generated_tokens_rolls_back_to_the_checkpoint() {
+    for name in MODELS {
+        let reference = scheduler(name, None);
+        let first = ids(61, 70);
+        let (answer, _) = generate(&reference, &first, None);
+        // The previous answer re-rendered differently after its third token.
+        let mut next = first.clone();
+        next.extend(&answer[..3]);
+        next.push(if answer[3] == 7 { 8 } else { 7 });
+        next.extend(ids(62, 30));
+        let (want_next, _) = generate(&reference, &next, None);
+        let (want_again, _) = generate(&reference, &first, None);
+
+        let cached = scheduler(name, Some(cache_config(name, None, 64 << 20)));
+        generate(&cached, &first, Some("r"));
+        // The same prompt again (a retry): nothing past the checkpoint can be kept.
+        let (got, usage) = generate(&cached, &first, Some("r"));
+        assert_eq!(got, want_again, "{name}: the same prompt again");
+        assert_eq!(usage.cached_tokens, checkpoint_of(&first), "{name}");
+        assert_eq!(parked_hits(&cached), 1, "{name}");
+        let (got, usage) = generate(&cached, &next, Some("r"));
+        assert_eq!(got, want_next, "{name}: after the rollback");
+        assert_eq!(usage.cached_tokens, checkpoint_of(&first), "{name}");
+        assert_eq!(parked_hits(&cached), 2, "{name}");
+    }
+}
+
+#[test]
+fn interleaved_sessions_each_continue_their_own_parked_sequence() {
+    for name in MODELS {
+        let reference = scheduler(name, None);
+        let (a, a_answers) = conversation(&reference, 71, 3);
+        let (b, b_answers) = conversation(&reference, 72, 3);
+        let cached = scheduler(name, Some(cache_config(name, None, 64 << 20)));
+        for t in 0..3 {
+            let (ra, rb) = std::thread::scope(|sc| {
+                let ha = sc.spawn(|| generate(&cached, &a.prompts[t], Some("a")));
+                let hb = sc.spawn(|| generate(&cached, &b.prompts[t], Some("b")));
+                (ha.join().unwrap(), hb.join().unwrap())
+            });
+            assert_eq!(ra.0, a_answers[t], "{name}: a turn {t}");
+            assert_eq!(rb.0, b_answers[t], "{name}: b turn {t}");
+            if t > 0 {
+                assert_eq!(ra.1.cached_tokens, a.tips[t - 1], "{name}: a turn {t}");
+                assert_eq!(rb.1.cached_tokens, b.tips[t - 1], "{name}: b turn {t}");
+            }
+        }
+        assert_eq!(parked_hits(&cached), 4, "{name}");
+    }
+}
+
+#[test]
+fn an_evicted_parked_sequence_resumes_from_ram_exactly() {
+    for name in MODELS {
+        let reference = scheduler(name, None);
+        let (a, a_answers) = conversation(&reference, 81, 2);
+        let (b, b_answers) = conversation(&reference, 82, 2);
+        // One parked sequence: b's first turn evicts a's to RAM, a's second turn evicts b's.
+        let cached = parking_scheduler(name, Some(cache_config(name, None, 64 << 20)), 1);
+        assert_eq!(generate(&cached, &a.prompts[0], Some("a")).0, a_answers[0]);
+        assert_eq!(generate(&cached, &b.prompts[0], Some("b")).0, b_answers[0]);
+        wait_for(&cached, "b parked", parked_is("b", b.tips[0]));
+        {
+            let c = cached.cache().unwrap().lock().unwrap();
+            // a's tip and its checkpoint (a shared boundary already) are in RAM.
+            let a_host = c.entries_of("a");
+            assert_eq!(a_host.last(), Some(&(a.tips[0], Tier::Ram)), "{name}");
+            assert!(a_host.contains(&(checkpoint_of(&a.prompts[0]), Tier::Ram)));
+        }
+        let (got, usage) = generate(&cached, &a.prompts[1], Some("a"));
+        assert_eq!(got, a_answers[1], "{name}: a resumed from RAM");
+        assert_eq!(usage.cached_tokens, a.tips[0], "{name}");
+        let (got, usage) = generate(&cached, &b.prompts[1], Some("b"));
+        assert_eq!(got, b_answers[1], "{name}: b resumed from RAM");
+        assert_eq!(usage.cached_tokens, b.tips[0], "{name}");
+        assert_eq!(parked_hits(&cached), 0, "{name}");
+    }
+}
+
+#[test]
+fn a_prompt_diverging_before_the_checkpoint_falls_back_to_the_host_cache() {
+    for name in MODELS {
+        let reference = scheduler(name, None);
+        let first = ids(91, 70);
+        let mut edited = first[..40].to_vec();
+        edited.extend(ids(92, 25));
+        let (want, _) = generate(&reference, &edited, None);
+        let cached = scheduler(name, Some(cache_config(name, None, 64 << 20)));
+        generate(&cached, &first, Some("e"));
+        let (got, usage) = generate(&cached, &edited, Some("e"));
+        assert_eq!(got, want, "{name}");
+        // The first turn's shared boundary at 32, from RAM; the parked sequence is not used.
+        assert_eq!(usage.cached_tokens, 32, "{name}");
+        assert_eq!(parked_hits(&cached), 0, "{name}");
+        // The session keeps one parked sequence: its latest turn.
+        let tip = edited.len() + usage.completion_tokens - 1;
+        wait_for(&cached, "the latest turn parked", parked_is("e", tip));
     }
 }

@@ -17,8 +17,11 @@
 //! checksummed file per entry, see [`disk`]). Sessions idle for `idle` move their entries to
 //! disk; a hit on a disk entry reads it back into RAM (the file stays, so moving down again
 //! costs nothing). After a restart the disk folder is scanned and its entries are found again.
-//! A VRAM tier (keeping snapshots on the GPU) is not built: states are copied to the host at
-//! capture time.
+//! Above them, the scheduler keeps finished sessions' sequences live on the model's device
+//! (parked, see `scheduler::parked`): a session's next turn continues on its sequence without
+//! any copy. The cache only lists them ([`PrefixCache::set_parked`], tier `vram` in
+//! [`PrefixCache::status`]) and counts their hits ([`PrefixCache::resume_parked`]); a parked
+//! sequence that leaves the device is exported into the RAM tier.
 //!
 //! **Disk writes** run on a writer thread of the cache, never on the scheduler's: an entry
 //! moving down is queued (its RAM is counted as leaving, so eviction does not pick it again)
@@ -100,8 +103,17 @@ impl CacheConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
+    /// A parked sequence on the model's device (listed by the scheduler).
+    Vram,
     Ram,
     Disk,
+}
+
+/// A session's parked sequence, as the scheduler reports it.
+#[derive(Debug, Clone, Copy)]
+struct ParkedInfo {
+    tokens: usize,
+    bytes: usize,
 }
 
 struct Entry {
@@ -334,6 +346,8 @@ pub struct PrefixCache {
     writer: Option<Writer>,
     /// RAM bytes of the entries queued for writing (they leave RAM when written).
     ram_leaving: usize,
+    /// Sessions with a parked sequence on the device (the scheduler's VRAM tier).
+    parked: HashMap<String, ParkedInfo>,
 }
 
 impl Drop for PrefixCache {
@@ -371,6 +385,7 @@ impl PrefixCache {
             enabled: true,
             writer: None,
             ram_leaving: 0,
+            parked: HashMap::new(),
         };
         if let Some(d) = dir {
             c.set_disk(Some(&d))?;
@@ -691,6 +706,53 @@ impl PrefixCache {
         e.bytes = bytes;
         self.ram_use += bytes;
         Ok((state, true))
+    }
+
+    /// Tokens of the deepest entry usable for `prompt` (at most `max_len`), 0 when none; an
+    /// index lookup only, nothing is read.
+    pub fn deepest_len(&self, prompt: &[u32], max_len: usize) -> usize {
+        if !self.enabled {
+            return 0;
+        }
+        self.candidates(prompt, max_len)
+            .first()
+            .map_or(0, |id| self.entries[id].tokens.len())
+    }
+
+    /// Records a request resumed from a parked sequence of `parked_session` at `len` tokens (a
+    /// hit like any other); returns the session the request belongs to (`key`, else the
+    /// parked one's: it continues that conversation).
+    pub fn resume_parked(&mut self, key: Option<&str>, parked_session: &str, len: usize) -> String {
+        self.poll_writes();
+        let session = key.unwrap_or(parked_session).to_string();
+        self.hits += 1;
+        self.cached_tokens += len as u64;
+        self.sessions.entry(session.clone()).or_default().last_used = unix_now();
+        session
+    }
+
+    /// Lists (or, with `None`, unlists) `session`'s parked sequence: `(tokens, bytes)`.
+    pub fn set_parked(&mut self, session: &str, parked: Option<(usize, usize)>) {
+        match parked {
+            Some((tokens, bytes)) => {
+                self.parked
+                    .insert(session.to_string(), ParkedInfo { tokens, bytes });
+            }
+            None => {
+                self.parked.remove(session);
+            }
+        }
+    }
+
+    /// Sessions with a parked sequence and its tokens (tests and diagnostics).
+    pub fn parked_sessions(&self) -> Vec<(String, usize)> {
+        let mut v: Vec<(String, usize)> = self
+            .parked
+            .iter()
+            .map(|(s, p)| (s.clone(), p.tokens))
+            .collect();
+        v.sort();
+        v
     }
 
     /// Stores the state after `tokens` for `session` (no-op when already stored).
@@ -1033,36 +1095,43 @@ impl PrefixCache {
             .unwrap_or_default()
     }
 
+    /// One session's line of the status: its parked sequence (tier `vram`, its bytes on the
+    /// device added) when it has one, else its deepest entry.
+    fn session_status(&self, id: &str, now: f64) -> Option<SessionStatus> {
+        let info = self.sessions.get(id);
+        let parked = self.parked.get(id);
+        let deepest = self.deepest_of(id).map(|d| &self.entries[&d]);
+        let mine = self.entries.values().filter(|e| e.session == id);
+        let host_bytes: u64 = mine
+            .clone()
+            .map(|e| {
+                e.ram.as_ref().map_or(0, |_| e.bytes as u64) + e.disk.as_ref().map_or(0, |d| d.1)
+            })
+            .sum();
+        let (tier, tokens) = match (parked, deepest) {
+            (Some(p), _) => (Tier::Vram, p.tokens),
+            (None, Some(d)) if d.ram.is_some() => (Tier::Ram, d.tokens.len()),
+            (None, Some(d)) => (Tier::Disk, d.tokens.len()),
+            (None, None) => return None,
+        };
+        Some(SessionStatus {
+            id: id.to_string(),
+            tier,
+            tokens,
+            bytes: host_bytes + parked.map_or(0, |p| p.bytes as u64),
+            entries: mine.count(),
+            last_used_s: info.map_or(0.0, |i| (now - i.last_used).max(0.0)),
+            hot_experts: info.map_or(0, |i| i.expert_heat.len()),
+        })
+    }
+
     pub fn status(&self) -> CacheStatus {
         let now = unix_now();
-        let mut sessions: Vec<SessionStatus> = self
-            .sessions
-            .iter()
-            .filter_map(|(id, info)| {
-                let deepest = self.deepest_of(id)?;
-                let d = &self.entries[&deepest];
-                let mine = self.entries.values().filter(|e| &e.session == id);
-                let bytes = mine
-                    .clone()
-                    .map(|e| {
-                        e.ram.as_ref().map_or(0, |_| e.bytes as u64)
-                            + e.disk.as_ref().map_or(0, |d| d.1)
-                    })
-                    .sum();
-                Some(SessionStatus {
-                    id: id.clone(),
-                    tier: if d.ram.is_some() {
-                        Tier::Ram
-                    } else {
-                        Tier::Disk
-                    },
-                    tokens: d.tokens.len(),
-                    bytes,
-                    entries: mine.count(),
-                    last_used_s: (now - info.last_used).max(0.0),
-                    hot_experts: info.expert_heat.len(),
-                })
-            })
+        let ids: std::collections::BTreeSet<&String> =
+            self.sessions.keys().chain(self.parked.keys()).collect();
+        let mut sessions: Vec<SessionStatus> = ids
+            .into_iter()
+            .filter_map(|id| self.session_status(id, now))
             .collect();
         sessions.sort_by(|a, b| a.last_used_s.total_cmp(&b.last_used_s));
         CacheStatus {

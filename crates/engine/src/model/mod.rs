@@ -84,6 +84,28 @@ pub trait CausalLm: Send {
         let _ = (seq, state);
         anyhow::bail!("this model cannot load sequence state from the host (no prefix cache)")
     }
+    /// Keeps a device-side checkpoint of the sequence at its current length, replacing an
+    /// older one: copies of its recurrent states (GDN conv and recurrent states, PLE n-gram
+    /// context) and the row counts of its caches (KV, QSA keys), whose rows are not copied.
+    /// Returns the length. The scheduler takes one at the end of a prompt, so that a parked
+    /// sequence can be continued from there when the next prompt leaves its generated tokens.
+    fn checkpoint(&mut self, seq: SeqId) -> Result<usize> {
+        let _ = seq;
+        anyhow::bail!("this model cannot checkpoint a sequence (no rollback support)")
+    }
+    /// Puts the sequence back to its checkpoint (recurrent states restored from the copies,
+    /// caches truncated); the checkpoint stays. Returns the length. Fails, leaving the state as
+    /// it was, when there is no checkpoint or the state was replaced since.
+    fn rollback(&mut self, seq: SeqId) -> Result<usize> {
+        let _ = seq;
+        anyhow::bail!("this model cannot roll a sequence back (no checkpoint support)")
+    }
+    /// Bytes of the sequence's state on the model's device, its checkpoint included (the
+    /// scheduler's budget for parked sequences); `None` when unknown.
+    fn state_bytes(&self, seq: SeqId) -> Option<usize> {
+        let _ = seq;
+        None
+    }
     /// The routed experts this sequence used, as heat (the expert cache that follows the
     /// conversation keeps it with the session); `None` for models without routed experts or
     /// without routing statistics.
@@ -97,6 +119,82 @@ pub trait CausalLm: Send {
     fn prefetch_experts(&mut self, heat: &[crate::hybrid::expert_cache::HeatEntry]) {
         let _ = heat;
     }
+}
+
+/// One layer's part of a [`SeqCheckpoint`]: caches go back by truncation, recurrent states
+/// (which cannot be truncated) by a copy of the layer's state.
+pub enum LayerCheckpoint<L> {
+    Cache(layers::attention::CacheRows),
+    Copy(L),
+}
+
+/// A sequence's checkpoint (see [`CausalLm::checkpoint`]): its length and every layer's part.
+pub struct SeqCheckpoint<L> {
+    pub len: usize,
+    pub layers: Vec<LayerCheckpoint<L>>,
+}
+
+impl<L> SeqCheckpoint<L> {
+    /// Checks that `layers` (the sequence's layer states now) can go back to this checkpoint.
+    pub fn check(&self, len: usize, layers: usize) -> Result<()> {
+        if len < self.len || layers != self.layers.len() {
+            anyhow::bail!(
+                "the checkpoint ({} tokens, {} layers) does not fit the sequence ({len} tokens, {layers} layers): its state was replaced since",
+                self.len,
+                self.layers.len()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A checkpoint of one sequence's `layers` at `len` tokens; `attention` gives a layer's
+/// attention state (its caches are truncated back), every other layer is copied.
+pub fn take_checkpoint<B: Backend, L: Clone>(
+    b: &B,
+    len: usize,
+    layers: &[L],
+    attention: impl Fn(&L) -> Option<&layers::attention::AttentionState<B>>,
+) -> SeqCheckpoint<L> {
+    let layers = layers
+        .iter()
+        .map(|l| match attention(l) {
+            Some(a) => LayerCheckpoint::Cache(a.cache_rows(b)),
+            None => LayerCheckpoint::Copy(l.clone()),
+        })
+        .collect();
+    SeqCheckpoint { len, layers }
+}
+
+/// Puts `layers` (holding `len` tokens) back to `ck`: everything is checked before anything
+/// changes, so a failure leaves the state as it was.
+pub fn roll_back<B: Backend, L: Clone>(
+    b: &B,
+    len: &mut usize,
+    layers: &mut [L],
+    ck: &SeqCheckpoint<L>,
+    attention: impl Fn(&mut L) -> Option<&mut layers::attention::AttentionState<B>>,
+) -> Result<()> {
+    ck.check(*len, layers.len())?;
+    for (l, part) in layers.iter_mut().zip(&ck.layers) {
+        match (attention(l), part) {
+            (Some(a), LayerCheckpoint::Cache(rows)) => a.check_truncate(b, *rows)?,
+            (None, LayerCheckpoint::Copy(_)) => {}
+            _ => anyhow::bail!("the checkpoint's layer kinds differ from the sequence's"),
+        }
+    }
+    for (l, part) in layers.iter_mut().zip(&ck.layers) {
+        match part {
+            LayerCheckpoint::Cache(rows) => {
+                if let Some(a) = attention(l) {
+                    a.truncate_to(b, *rows)?;
+                }
+            }
+            LayerCheckpoint::Copy(saved) => *l = saved.clone(),
+        }
+    }
+    *len = ck.len;
+    Ok(())
 }
 
 /// Per-sequence states of one model, keyed by [`SeqId`].

@@ -16,11 +16,15 @@ use super::layers::attention::{Attention, AttentionState};
 use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::mlp::Mlp;
 use super::layers::{tensor, text_prefix, vector};
-use super::{BatchItem, CausalLm, ModelInfo, SeqId, SequenceTable, StateSnapshot};
+use super::{
+    BatchItem, CausalLm, LayerCheckpoint, ModelInfo, SeqCheckpoint, SeqId, SequenceTable,
+    StateSnapshot,
+};
 use crate::backend::{Backend, NormScale};
 use crate::checkpoint::Checkpoint;
 use crate::config::{GateActivation, LayerType, TextConfig};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
 
 // ---------------------------------------------------------------------------------------------
 // Decoder layer and model
@@ -80,6 +84,31 @@ pub struct Qwen3_5Text<B: Backend> {
     lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
     sequences: SequenceTable<SeqState<B>>,
+    /// Per sequence, its checkpoint (see [`CausalLm::checkpoint`]).
+    checkpoints: HashMap<SeqId, SeqCheckpoint<LayerState<B>>>,
+}
+
+impl<B: Backend> LayerState<B> {
+    fn bytes(&self, b: &B) -> usize {
+        match self {
+            LayerState::Attention(a) => a.bytes(b),
+            LayerState::Linear(l) => l.bytes(b),
+        }
+    }
+
+    fn attention(&self) -> Option<&AttentionState<B>> {
+        match self {
+            LayerState::Attention(a) => Some(a),
+            LayerState::Linear(_) => None,
+        }
+    }
+
+    fn attention_mut(&mut self) -> Option<&mut AttentionState<B>> {
+        match self {
+            LayerState::Attention(a) => Some(a),
+            LayerState::Linear(_) => None,
+        }
+    }
 }
 
 impl<B: Backend> Qwen3_5Text<B> {
@@ -160,6 +189,7 @@ impl<B: Backend> Qwen3_5Text<B> {
             lm_head,
             inv_freq,
             sequences: SequenceTable::default(),
+            checkpoints: HashMap::new(),
         })
     }
 
@@ -216,6 +246,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
 
     fn drop_sequence(&mut self, seq: SeqId) {
         self.sequences.states.remove(&seq);
+        self.checkpoints.remove(&seq);
     }
 
     fn sequence_len(&self, seq: SeqId) -> Option<usize> {
@@ -299,14 +330,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {
         let st = self.sequences.state(seq)?;
         let b = &self.backend;
-        let bytes = st
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerState::Attention(a) => a.bytes(b),
-                LayerState::Linear(l) => l.bytes(b),
-            })
-            .sum();
+        let bytes = st.layers.iter().map(|l| l.bytes(b)).sum();
         Ok(StateSnapshot {
             len: st.len,
             data: Box::new(st.clone()),
@@ -315,7 +339,52 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
     }
 
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()> {
-        self.sequences.restore_snapshot(seq, snapshot)
+        self.sequences.restore_snapshot(seq, snapshot)?;
+        self.checkpoints.remove(&seq);
+        Ok(())
+    }
+
+    fn checkpoint(&mut self, seq: SeqId) -> Result<usize> {
+        let st = self.sequences.state(seq)?;
+        let ck = super::take_checkpoint(&self.backend, st.len, &st.layers, LayerState::attention);
+        let len = ck.len;
+        self.checkpoints.insert(seq, ck);
+        Ok(len)
+    }
+
+    fn rollback(&mut self, seq: SeqId) -> Result<usize> {
+        let ck = self
+            .checkpoints
+            .get(&seq)
+            .with_context(|| format!("sequence {seq:?} has no checkpoint to roll back to"))?;
+        let st = self
+            .sequences
+            .states
+            .get_mut(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        super::roll_back(
+            &self.backend,
+            &mut st.len,
+            &mut st.layers,
+            ck,
+            LayerState::attention_mut,
+        )?;
+        Ok(st.len)
+    }
+
+    fn state_bytes(&self, seq: SeqId) -> Option<usize> {
+        let b = &self.backend;
+        let st = self.sequences.states.get(&seq)?;
+        let copies = self.checkpoints.get(&seq).map_or(0, |ck| {
+            ck.layers
+                .iter()
+                .map(|l| match l {
+                    LayerCheckpoint::Copy(l) => l.bytes(b),
+                    LayerCheckpoint::Cache(_) => 0,
+                })
+                .sum()
+        });
+        Some(st.layers.iter().map(|l| l.bytes(b)).sum::<usize>() + copies)
     }
 
     fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
@@ -350,6 +419,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
             });
         }
         r.finish()?;
+        self.checkpoints.remove(&seq);
         self.sequences.states.insert(
             seq,
             SeqState {

@@ -20,12 +20,16 @@ use super::layers::hyper::HyperConnection;
 use super::layers::moe::{ExpertLoader, SparseMoe};
 use super::layers::ple::{Ple, PleState};
 use super::layers::{tensor, text_prefix, Span};
-use super::{BatchItem, CausalLm, ModelInfo, SeqId, SequenceTable, StateSnapshot};
+use super::{
+    BatchItem, CausalLm, LayerCheckpoint, ModelInfo, SeqCheckpoint, SeqId, SequenceTable,
+    StateSnapshot,
+};
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::config::{LayerType, Qwen4ExpConfig, TextConfig};
 use crate::hybrid::expert_cache::{ExpertCache, HeatEntry};
 use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 enum Mixer<B: Backend> {
@@ -63,6 +67,35 @@ impl<B: Backend> Clone for LayerState<B> {
     }
 }
 
+impl<B: Backend> LayerState<B> {
+    fn bytes(&self, b: &B) -> usize {
+        match self {
+            LayerState::Linear { gdn, ple } => {
+                gdn.bytes(b)
+                    + ple.as_ref().map_or(0, |p| {
+                        let (r, c) = b.shape(&p.conv);
+                        r * c * 4 + p.context.len() * 4
+                    })
+            }
+            LayerState::Attention(a) => a.bytes(b),
+        }
+    }
+
+    fn attention(&self) -> Option<&AttentionState<B>> {
+        match self {
+            LayerState::Attention(a) => Some(a),
+            LayerState::Linear { .. } => None,
+        }
+    }
+
+    fn attention_mut(&mut self) -> Option<&mut AttentionState<B>> {
+        match self {
+            LayerState::Attention(a) => Some(a),
+            LayerState::Linear { .. } => None,
+        }
+    }
+}
+
 /// One sequence's state: its length and every layer's caches.
 pub struct SeqState<B: Backend> {
     pub len: usize,
@@ -89,6 +122,8 @@ pub struct Qwen4ExpText<B: Backend> {
     lm_head: Option<B::Matrix>,
     inv_freq: Vec<f32>,
     sequences: SequenceTable<SeqState<B>>,
+    /// Per sequence, its checkpoint (see [`CausalLm::checkpoint`]).
+    checkpoints: HashMap<SeqId, SeqCheckpoint<LayerState<B>>>,
     /// The hybrid placement's VRAM expert cache, when the routed experts run hybrid: sessions'
     /// heat is read from it and returning sessions warm it.
     expert_cache: Option<Arc<Mutex<ExpertCache>>>,
@@ -228,6 +263,7 @@ impl<B: Backend> Qwen4ExpText<B> {
             lm_head,
             inv_freq,
             sequences: SequenceTable::default(),
+            checkpoints: HashMap::new(),
             expert_cache: None,
         })
     }
@@ -391,6 +427,7 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
 
     fn drop_sequence(&mut self, seq: SeqId) {
         self.sequences.states.remove(&seq);
+        self.checkpoints.remove(&seq);
     }
 
     fn sequence_len(&self, seq: SeqId) -> Option<usize> {
@@ -446,20 +483,7 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {
         let st = self.sequences.state(seq)?;
         let b = &self.backend;
-        let bytes = st
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerState::Linear { gdn, ple } => {
-                    gdn.bytes(b)
-                        + ple.as_ref().map_or(0, |p| {
-                            let (r, c) = b.shape(&p.conv);
-                            r * c * 4 + p.context.len() * 4
-                        })
-                }
-                LayerState::Attention(a) => a.bytes(b),
-            })
-            .sum();
+        let bytes = st.layers.iter().map(|l| l.bytes(b)).sum();
         Ok(StateSnapshot {
             len: st.len,
             data: Box::new(st.clone()),
@@ -468,7 +492,52 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
     }
 
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()> {
-        self.sequences.restore_snapshot(seq, snapshot)
+        self.sequences.restore_snapshot(seq, snapshot)?;
+        self.checkpoints.remove(&seq);
+        Ok(())
+    }
+
+    fn checkpoint(&mut self, seq: SeqId) -> Result<usize> {
+        let st = self.sequences.state(seq)?;
+        let ck = super::take_checkpoint(&self.backend, st.len, &st.layers, LayerState::attention);
+        let len = ck.len;
+        self.checkpoints.insert(seq, ck);
+        Ok(len)
+    }
+
+    fn rollback(&mut self, seq: SeqId) -> Result<usize> {
+        let ck = self
+            .checkpoints
+            .get(&seq)
+            .with_context(|| format!("sequence {seq:?} has no checkpoint to roll back to"))?;
+        let st = self
+            .sequences
+            .states
+            .get_mut(&seq)
+            .with_context(|| format!("sequence {seq:?} does not exist"))?;
+        super::roll_back(
+            &self.backend,
+            &mut st.len,
+            &mut st.layers,
+            ck,
+            LayerState::attention_mut,
+        )?;
+        Ok(st.len)
+    }
+
+    fn state_bytes(&self, seq: SeqId) -> Option<usize> {
+        let b = &self.backend;
+        let st = self.sequences.states.get(&seq)?;
+        let copies = self.checkpoints.get(&seq).map_or(0, |ck| {
+            ck.layers
+                .iter()
+                .map(|l| match l {
+                    LayerCheckpoint::Copy(l) => l.bytes(b),
+                    LayerCheckpoint::Cache(_) => 0,
+                })
+                .sum()
+        });
+        Some(st.layers.iter().map(|l| l.bytes(b)).sum::<usize>() + copies)
     }
 
     fn export_state(&self, seq: SeqId) -> Result<crate::cache::HostState> {
@@ -514,6 +583,7 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
             });
         }
         r.finish()?;
+        self.checkpoints.remove(&seq);
         self.sequences.states.insert(
             seq,
             SeqState {

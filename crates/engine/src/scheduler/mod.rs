@@ -10,13 +10,19 @@
 //! With a prefix cache ([`SchedulerConfig::prefix_cache`]) a request resumes from the deepest
 //! cached state of its prompt and prefills only the rest; prefill chunks then end on the
 //! cache's block boundaries so states can be captured there, and every finished turn is
-//! captured too (see [`crate::cache`]). The cache's maintenance (idle sessions to disk) runs
+//! captured too (see [`crate::cache`]). With parking on ([`SchedulerConfig::max_parked`]) a
+//! finished turn's sequence stays live on the model's device instead ([`parked`]): the
+//! session's next request continues on it, nothing is copied, and only the new tokens are
+//! computed; its state goes to the host cache only when it leaves the device (evicted, idle,
+//! at shutdown), and requests resumed that way skip the captures within their prefill (the
+//! shallow ones of fresh prompts stay, for prefixes shared across sessions). The cache's maintenance (idle sessions to disk) runs
 //! about once a second, busy or not. When a request's session differs from the last one
 //! admitted, the model is asked to prefetch that session's hot experts
 //! ([`CausalLm::prefetch_experts`]); at the end of each turn the sequence's routing heat
 //! ([`CausalLm::routing_heat`]) is merged into its session's.
 
 pub mod forced;
+mod parked;
 pub mod scripted;
 
 pub use forced::ThinkingBudget;
@@ -43,6 +49,12 @@ pub struct SchedulerConfig {
     pub max_context: usize,
     /// The prefix cache; `None` computes every prompt from scratch.
     pub prefix_cache: Option<CacheConfig>,
+    /// With a prefix cache: finished sessions' sequences kept live on the model's device for
+    /// their next turn, at most this many (0: none, every turn is copied to the host cache).
+    pub max_parked: usize,
+    /// ... holding at most this many bytes of state in all (KV, recurrent states and their
+    /// checkpoints), beside the running sequences.
+    pub parked_bytes: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -53,6 +65,8 @@ impl Default for SchedulerConfig {
             prefill_chunk: 256,
             max_context: usize::MAX,
             prefix_cache: None,
+            max_parked: 4,
+            parked_bytes: 8 << 30,
         }
     }
 }
@@ -190,6 +204,8 @@ pub struct SchedulerMetrics {
     pub cached_prompt_tokens_total: AtomicU64,
     pub prefix_cache_hits_total: AtomicU64,
     pub prefix_cache_misses_total: AtomicU64,
+    /// Hits served by a parked sequence (also counted in `prefix_cache_hits_total`).
+    pub prefix_cache_parked_hits_total: AtomicU64,
     pub forward_steps_total: AtomicU64,
     pub queue_depth: AtomicUsize,
     pub active_sequences: AtomicUsize,
@@ -382,9 +398,51 @@ struct Active<'t> {
     cached: usize,
     /// Generated tokens fed back into the model (the state holds `prompt[..prefilled] ++ fed`).
     fed: Vec<u32>,
+    /// Parking: the prompt position of the model checkpoint (the last block boundary before
+    /// the prompt's end, or the resumed position when past it); `None`: not parked at the end.
+    checkpoint_at: Option<usize>,
+    /// The checkpoint was taken (the sequence can be parked at the end).
+    checkpointed: bool,
+    /// Resumed from a parked sequence: no captures within the prefill (its own next turn
+    /// resumes from the parked sequence).
+    from_parked: bool,
 }
 
 impl Active<'_> {
+    /// The tokens in the model's state: `prompt[..prefilled] ++ fed`.
+    fn state_tokens(&self) -> Vec<u32> {
+        let fed: &[u32] = if self.prefilled == self.prompt.len() {
+            &self.fed
+        } else {
+            &[]
+        };
+        let mut tokens = Vec::with_capacity(self.prefilled + fed.len());
+        tokens.extend_from_slice(&self.prompt[..self.prefilled]);
+        tokens.extend_from_slice(fed);
+        tokens
+    }
+
+    /// Takes the model checkpoint when the prefill has reached its position.
+    fn checkpoint_if_due(&mut self, model: &mut dyn CausalLm) {
+        if self.checkpointed || self.checkpoint_at != Some(self.prefilled) {
+            return;
+        }
+        match model.checkpoint(self.seq) {
+            Ok(len) if len == self.prefilled => self.checkpointed = true,
+            Ok(len) => {
+                tracing::warn!(
+                    "prefix cache: the model checkpointed {len} tokens, expected {}; the sequence will not be parked",
+                    self.prefilled
+                );
+                self.checkpoint_at = None;
+            }
+            Err(e) => {
+                tracing::debug!("prefix cache: no parking for this model: {e:#}");
+                self.checkpoint_at = None;
+            }
+        }
+    }
+
     fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.prompt.len(),
@@ -484,6 +542,14 @@ fn run_loop(
     // The session admitted last (its experts are the warm ones).
     let mut last_session: Option<String> = None;
     let mut last_maintain = std::time::Instant::now();
+    let mut parked = parked::ParkedSet::new(
+        if cache.is_some() {
+            config.max_parked
+        } else {
+            0
+        },
+        config.parked_bytes,
+    );
     loop {
         // Block size and capture spacing of the prefix cache (`None` while it is off).
         let blocks = cache.and_then(|c| {
@@ -491,9 +557,19 @@ fn run_loop(
             c.is_enabled()
                 .then(|| (c.block_tokens(), c.config().capture_every_blocks))
         });
+        if let (Some(c), None) = (cache, blocks) {
+            // Switched off: nothing is resumed, so parked sequences only hold device memory.
+            for p in parked.take_all() {
+                discard_parked(c, model.as_mut(), p);
+            }
+        }
         // Idle sessions move down a tier even while others keep the model busy.
         if let Some(c) = cache {
             if last_maintain.elapsed() >= MAINTAIN_EVERY {
+                let idle = lock(c).config().idle;
+                for p in parked.take_idle(idle) {
+                    retire_parked(c, model.as_mut(), p);
+                }
                 lock(c).maintain();
                 last_maintain = std::time::Instant::now();
             }
@@ -503,7 +579,7 @@ fn run_loop(
         if active.is_empty() && waiting.is_empty() {
             if disconnected {
                 if let Some(c) = cache {
-                    lock(c).flush_to_disk();
+                    shut_down_cache(c, model.as_mut(), &mut parked);
                 }
                 return;
             }
@@ -519,7 +595,7 @@ fn run_loop(
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     if let Some(c) = cache {
-                        lock(c).flush_to_disk();
+                        shut_down_cache(c, model.as_mut(), &mut parked);
                     }
                     return;
                 }
@@ -551,18 +627,41 @@ fn run_loop(
                 .fetch_add(r.prompt_tokens.len() as u64, Ordering::Relaxed);
             let mut stop_ids = eos.clone();
             stop_ids.extend(r.stop.token_ids.iter().copied());
-            let seq = model.new_sequence();
-            let (session, cached) = match cache {
-                Some(c) => resume(c, model.as_mut(), seq, &r, metrics, &mut last_session),
-                None => (None, 0),
+            let resumed = match cache {
+                Some(c) => resume(
+                    c,
+                    model.as_mut(),
+                    &mut parked,
+                    &r,
+                    metrics,
+                    &mut last_session,
+                ),
+                None => Resumed {
+                    seq: model.new_sequence(),
+                    session: None,
+                    cached: 0,
+                    from_parked: false,
+                },
             };
+            let cached = resumed.cached;
             let _ = p.admitted.send(cached);
+            // Parking: checkpoint at the last block boundary before the prompt's end (where
+            // prefill chunks end anyway), or right away when resumed past it.
+            let checkpoint_at = match blocks {
+                Some((block, _)) if parked.enabled() => {
+                    Some(((r.prompt_tokens.len() - 1) / block * block).max(cached))
+                }
+                _ => None,
+            };
             active.push(Active {
-                seq,
+                seq: resumed.seq,
                 failed: false,
-                session,
+                session: resumed.session,
                 cached,
                 fed: Vec::new(),
+                checkpoint_at,
+                checkpointed: false,
+                from_parked: resumed.from_parked,
                 tx: p.tx,
                 sampler: Sampler::new(r.sampling, &r.prompt_tokens),
                 prompt: r.prompt_tokens,
@@ -582,6 +681,9 @@ fn run_loop(
                 forced: forced::ForcedTokens::new(r.thinking_budget),
                 done: false,
             });
+            if let Some(a) = active.last_mut() {
+                a.checkpoint_if_due(model.as_mut());
+            }
         }
         metrics
             .active_sequences
@@ -595,7 +697,7 @@ fn run_loop(
                 a.done = true;
             }
         }
-        free_done(&mut active, model.as_mut(), metrics, cache);
+        free_done(&mut active, model.as_mut(), metrics, cache, &mut parked);
         if active.is_empty() {
             continue;
         }
@@ -690,12 +792,10 @@ fn run_loop(
                     } else {
                         a.prefilled = p.end;
                         if p.end < a.prompt.len() {
-                            if let (Some(c), Some((block, every))) = (cache, blocks) {
-                                let last = (a.prompt.len() - 1) / block * block;
-                                if p.end % block == 0
-                                    && (p.end == last || (p.end / block) % every == 0)
-                                {
-                                    capture(c, &*model, a, p.end);
+                            a.checkpoint_if_due(model.as_mut());
+                            if let (Some(c), Some(blocks)) = (cache, blocks) {
+                                if captures_here(a, blocks) {
+                                    capture(c, &*model, a);
                                 }
                             }
                             continue;
@@ -725,8 +825,23 @@ fn run_loop(
                 }
             }
         }
-        free_done(&mut active, model.as_mut(), metrics, cache);
+        free_done(&mut active, model.as_mut(), metrics, cache, &mut parked);
     }
+}
+
+/// Whether the prefill of `a`, just past `a.prefilled`, is captured into the host cache there
+/// (`blocks`: block size and capture spacing). On every `every`-th block boundary, for
+/// prefixes shared across sessions, unless resumed from a parked sequence (its prompt is its
+/// own conversation's); on the last boundary before the prompt's end when the sequence will
+/// not be parked, so that the next turn resumes there.
+fn captures_here(a: &Active<'_>, (block, every): (usize, usize)) -> bool {
+    let at = a.prefilled;
+    if at % block != 0 {
+        return false;
+    }
+    let shared = !a.from_parked && (at / block) % every == 0;
+    let last = (a.prompt.len() - 1) / block * block;
+    shared || (at == last && !a.checkpointed)
 }
 
 /// One sequence's part of a step.
@@ -749,19 +864,38 @@ fn free_done(
     model: &mut dyn CausalLm,
     metrics: &SchedulerMetrics,
     cache: Option<&Mutex<PrefixCache>>,
+    parked: &mut parked::ParkedSet,
 ) {
     active.retain(|a| {
-        if a.done {
-            // The end of a turn: keep the state, and the experts it used, for the next one.
-            if let (Some(c), false) = (cache, a.failed) {
-                capture(c, model, a, a.prefilled);
-                if let (Some(heat), Some(s)) = (model.routing_heat(a.seq), &a.session) {
-                    lock(c).merge_heat(s, &heat);
+        if !a.done {
+            return true;
+        }
+        // The end of a turn: keep the state, and the experts it used, for the next one.
+        let Some(c) = cache.filter(|_| !a.failed) else {
+            model.drop_sequence(a.seq);
+            return false;
+        };
+        if let (Some(heat), Some(s)) = (model.routing_heat(a.seq), &a.session) {
+            lock(c).merge_heat(s, &heat);
+        }
+        match park(model, parked, a) {
+            Ok(evicted) => {
+                for p in evicted {
+                    retire_parked(c, model, p);
+                }
+                // Listed after the evictions: one of them may be the session's older turn.
+                if let (true, Some(s)) = (parked.contains(a.seq), &a.session) {
+                    let bytes = model.state_bytes(a.seq).unwrap_or(0);
+                    let tokens = model.sequence_len(a.seq).unwrap_or(0);
+                    lock(c).set_parked(s, Some((tokens, bytes)));
                 }
             }
-            model.drop_sequence(a.seq);
+            Err(()) => {
+                capture(c, model, a);
+                model.drop_sequence(a.seq);
+            }
         }
-        !a.done
+        false
     });
     metrics
         .active_sequences
@@ -773,30 +907,61 @@ fn lock(c: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
     c.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Looks the request up in the cache and loads the deepest state found into `seq`. Returns
-/// the request's session and the prompt tokens resumed.
+/// Where an admitted request starts.
+struct Resumed {
+    seq: SeqId,
+    /// The session its entries belong to (`None` without a cache).
+    session: Option<String>,
+    /// Prompt tokens resumed (in the state already).
+    cached: usize,
+    /// Continued on a parked sequence.
+    from_parked: bool,
+}
+
+/// Finds the request's deepest resumable state: a parked sequence (continued as it is, or
+/// after a rollback to its checkpoint) unless the host cache holds a deeper one, else the
+/// host cache's deepest entry loaded into a new sequence.
 fn resume(
     cache: &Mutex<PrefixCache>,
     model: &mut dyn CausalLm,
-    seq: SeqId,
+    parked: &mut parked::ParkedSet,
     r: &GenerationRequest,
     metrics: &SchedulerMetrics,
     last_session: &mut Option<String>,
-) -> (Option<String>, usize) {
+) -> Resumed {
     let mut c = lock(cache);
-    let begin = c.begin(
-        &r.prompt_tokens,
-        r.prompt_tokens.len() - 1,
-        r.cache_key.as_deref(),
-    );
-    // A session becoming active again: its hot experts first.
-    if last_session.as_deref() != Some(begin.session.as_str()) {
-        let heat = c.heat_of(&begin.session);
-        if !heat.is_empty() {
-            model.prefetch_experts(&heat);
+    let prompt = &r.prompt_tokens;
+    let key = r.cache_key.as_deref();
+    let best = parked
+        .best_for(prompt, key)
+        .filter(|m| c.is_enabled() && m.depth >= c.deepest_len(prompt, prompt.len() - 1));
+    if let Some(m) = best {
+        let p = parked.take(m.index);
+        c.set_parked(&p.session, None);
+        match continue_parked(model, &p, m) {
+            Ok(()) => {
+                let session = c.resume_parked(key, &p.session, m.depth);
+                returning_session(&c, model, &session, last_session);
+                count_hit(metrics, m.depth);
+                metrics
+                    .prefix_cache_parked_hits_total
+                    .fetch_add(1, Ordering::Relaxed);
+                return Resumed {
+                    seq: p.seq,
+                    session: Some(session),
+                    cached: m.depth,
+                    from_parked: true,
+                };
+            }
+            Err(e) => {
+                tracing::warn!("prefix cache: a parked sequence could not continue: {e:#}");
+                model.drop_sequence(p.seq);
+            }
         }
-        *last_session = Some(begin.session.clone());
     }
+    let seq = model.new_sequence();
+    let begin = c.begin(prompt, prompt.len() - 1, key);
+    returning_session(&c, model, &begin.session, last_session);
     let mut cached = 0;
     if let Some(hit) = begin.hit {
         match model.import_state(seq, &hit.state) {
@@ -808,38 +973,141 @@ fn resume(
         }
     }
     if cached > 0 {
-        metrics
-            .prefix_cache_hits_total
-            .fetch_add(1, Ordering::Relaxed);
-        metrics
-            .cached_prompt_tokens_total
-            .fetch_add(cached as u64, Ordering::Relaxed);
+        count_hit(metrics, cached);
     } else {
         metrics
             .prefix_cache_misses_total
             .fetch_add(1, Ordering::Relaxed);
     }
-    (Some(begin.session), cached)
+    Resumed {
+        seq,
+        session: Some(begin.session),
+        cached,
+        from_parked: false,
+    }
 }
 
-/// Stores the state of `a` (holding `prompt[..prefilled] ++ fed`) when `prefilled` is where
-/// its prompt part ends.
-fn capture(cache: &Mutex<PrefixCache>, model: &dyn CausalLm, a: &Active<'_>, prefilled: usize) {
-    let Some(session) = &a.session else { return };
-    let fed: &[u32] = if prefilled == a.prompt.len() {
-        &a.fed
+fn count_hit(metrics: &SchedulerMetrics, cached: usize) {
+    metrics
+        .prefix_cache_hits_total
+        .fetch_add(1, Ordering::Relaxed);
+    metrics
+        .cached_prompt_tokens_total
+        .fetch_add(cached as u64, Ordering::Relaxed);
+}
+
+/// A session becoming active again: its hot experts first.
+fn returning_session(
+    c: &PrefixCache,
+    model: &mut dyn CausalLm,
+    session: &str,
+    last_session: &mut Option<String>,
+) {
+    if last_session.as_deref() != Some(session) {
+        let heat = c.heat_of(session);
+        if !heat.is_empty() {
+            model.prefetch_experts(&heat);
+        }
+        *last_session = Some(session.to_string());
+    }
+}
+
+/// Readies a parked sequence to continue at `m.depth` tokens (rolled back to its checkpoint
+/// when the prompt leaves its tokens after it).
+fn continue_parked(
+    model: &mut dyn CausalLm,
+    p: &parked::Parked,
+    m: parked::ParkedMatch,
+) -> anyhow::Result<()> {
+    let len = if m.rollback {
+        model.rollback(p.seq)?
     } else {
-        &[]
+        model.sequence_len(p.seq).unwrap_or(0)
     };
-    let mut tokens = Vec::with_capacity(prefilled + fed.len());
-    tokens.extend_from_slice(&a.prompt[..prefilled]);
-    tokens.extend_from_slice(fed);
+    if len != m.depth {
+        anyhow::bail!(
+            "the parked sequence holds {len} tokens, expected {} (its token list is out of step)",
+            m.depth
+        );
+    }
+    Ok(())
+}
+
+/// Parks a finished sequence for its session's next turn; returns the parked sequences that
+/// must leave to make room. `Err` when it cannot be parked (parking off, no checkpoint, no
+/// session, or its state is not the tokens it should hold): the caller captures it instead.
+fn park(
+    model: &dyn CausalLm,
+    parked: &mut parked::ParkedSet,
+    a: &Active<'_>,
+) -> Result<Vec<parked::Parked>, ()> {
+    let (Some(session), Some(checkpoint), true) = (&a.session, a.checkpoint_at, a.checkpointed)
+    else {
+        return Err(());
+    };
+    let tokens = a.state_tokens();
+    if !parked.enabled() || model.sequence_len(a.seq) != Some(tokens.len()) {
+        return Err(());
+    }
+    Ok(parked.park(parked::Parked {
+        seq: a.seq,
+        session: session.clone(),
+        tokens,
+        checkpoint,
+        bytes: model.state_bytes(a.seq),
+        last_used: std::time::Instant::now(),
+    }))
+}
+
+/// A parked sequence leaves the device: its state goes to the RAM tier (the tip, then the
+/// checkpoint at its prompt's end, which a re-rendered next prompt resumes from), once.
+fn retire_parked(cache: &Mutex<PrefixCache>, model: &mut dyn CausalLm, p: parked::Parked) {
     let mut c = lock(cache);
-    if !c.wants(&tokens) || model.sequence_len(a.seq) != Some(tokens.len()) {
+    c.set_parked(&p.session, None);
+    export(&mut c, model, &p.session, p.seq, &p.tokens);
+    if p.checkpoint < p.tokens.len() {
+        match model.rollback(p.seq) {
+            Ok(_) => export(&mut c, model, &p.session, p.seq, &p.tokens[..p.checkpoint]),
+            Err(e) => tracing::debug!("prefix cache: the checkpoint was not exported: {e:#}"),
+        }
+    }
+    drop(c);
+    model.drop_sequence(p.seq);
+}
+
+/// Drops a parked sequence without keeping its state (the cache was switched off).
+fn discard_parked(cache: &Mutex<PrefixCache>, model: &mut dyn CausalLm, p: parked::Parked) {
+    lock(cache).set_parked(&p.session, None);
+    model.drop_sequence(p.seq);
+}
+
+/// The scheduler stops: parked sequences go to the host cache, whose sessions are written to
+/// disk (when it is on) so that they are found again after a restart.
+fn shut_down_cache(
+    cache: &Mutex<PrefixCache>,
+    model: &mut dyn CausalLm,
+    parked: &mut parked::ParkedSet,
+) {
+    for p in parked.take_all() {
+        retire_parked(cache, model, p);
+    }
+    lock(cache).flush_to_disk();
+}
+
+/// Stores the state of `a` (holding `prompt[..prefilled] ++ fed`).
+fn capture(cache: &Mutex<PrefixCache>, model: &dyn CausalLm, a: &Active<'_>) {
+    let Some(session) = &a.session else { return };
+    export(&mut lock(cache), model, session, a.seq, &a.state_tokens());
+}
+
+/// Copies the state of `seq` (holding exactly `tokens`) into the host cache, unless an entry
+/// holds these tokens already.
+fn export(c: &mut PrefixCache, model: &dyn CausalLm, session: &str, seq: SeqId, tokens: &[u32]) {
+    if !c.wants(tokens) || model.sequence_len(seq) != Some(tokens.len()) {
         return;
     }
-    match model.export_state(a.seq) {
-        Ok(state) => c.insert(session, &tokens, state),
+    match model.export_state(seq) {
+        Ok(state) => c.insert(session, tokens, state),
         Err(e) => tracing::debug!("prefix cache: not captured: {e:#}"),
     }
 }

@@ -44,6 +44,8 @@ pub struct ScriptedLm {
     /// Routed experts per layer, when the model pretends to be a MoE (see
     /// [`ScriptedLm::with_experts`]).
     experts: Option<(u32, u32)>,
+    /// Per sequence: the length at its checkpoint.
+    checkpoints: HashMap<SeqId, usize>,
     /// Per sequence: how often each expert (index `token % experts`) was routed to.
     routed: HashMap<SeqId, Vec<u32>>,
 }
@@ -72,6 +74,7 @@ impl ScriptedLm {
             stats: Arc::default(),
             experts: None,
             routed: HashMap::new(),
+            checkpoints: HashMap::new(),
         }
     }
 
@@ -116,6 +119,7 @@ impl CausalLm for ScriptedLm {
     fn drop_sequence(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
         self.routed.remove(&seq);
+        self.checkpoints.remove(&seq);
         self.stats
             .live_sequences
             .store(self.seqs.len(), Ordering::Relaxed);
@@ -216,7 +220,40 @@ impl CausalLm for ScriptedLm {
             bail!("a scripted state of {len} tokens claims {}", host.len);
         }
         *slot = (len, 0);
+        self.checkpoints.remove(&seq);
         Ok(())
+    }
+
+    /// The scheduler checkpoints every request once before its first logits (at the end of
+    /// its prompt), so the script restarts here: a request continued on a parked sequence
+    /// produces exactly what an uncached one does.
+    fn checkpoint(&mut self, seq: SeqId) -> Result<usize> {
+        let Some(state) = self.seqs.get_mut(&seq) else {
+            bail!("unknown sequence {seq:?}")
+        };
+        state.1 = 0;
+        self.checkpoints.insert(seq, state.0);
+        Ok(state.0)
+    }
+
+    fn rollback(&mut self, seq: SeqId) -> Result<usize> {
+        let (Some(state), Some(&len)) = (self.seqs.get_mut(&seq), self.checkpoints.get(&seq))
+        else {
+            bail!("sequence {seq:?} does not exist or has no checkpoint")
+        };
+        if state.0 < len {
+            bail!(
+                "sequence {seq:?} holds {} tokens, fewer than its checkpoint's {len}",
+                state.0
+            );
+        }
+        *state = (len, 0);
+        Ok(len)
+    }
+
+    /// Four bytes per token in the state (enough to test the parked sequences' budget).
+    fn state_bytes(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).map(|s| s.0 * 4)
     }
 
     /// The experts this sequence's computed tokens routed to (resumed tokens were computed

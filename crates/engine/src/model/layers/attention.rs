@@ -46,6 +46,53 @@ impl<B: Backend> AttentionState<B> {
             }),
         }
     }
+    /// Row counts of the caches now (what [`AttentionState::truncate_to`] goes back to).
+    pub fn cache_rows(&self, b: &B) -> CacheRows {
+        CacheRows {
+            kv: b.shape(&self.k).0,
+            index: self
+                .index
+                .as_ref()
+                .map(|(raw, blocks)| (b.shape(raw).0, b.shape(blocks).0)),
+        }
+    }
+
+    /// Truncates the caches back to `rows` (taken from this state earlier). Exact: keys and
+    /// values are per token, and the QSA block keys past the kept ones are pooled again from
+    /// the raw keys as the sequence grows.
+    pub fn truncate_to(&mut self, b: &B, rows: CacheRows) -> Result<()> {
+        self.check_truncate(b, rows)?;
+        b.truncate_rows(&mut self.k, rows.kv);
+        b.truncate_rows(&mut self.v, rows.kv);
+        if let (Some((raw, blocks)), Some((want_raw, want_blocks))) = (&mut self.index, rows.index)
+        {
+            b.truncate_rows(raw, want_raw);
+            b.truncate_rows(blocks, want_blocks);
+        }
+        Ok(())
+    }
+
+    /// Fails unless the caches hold at least `rows` (so [`AttentionState::truncate_to`] can go
+    /// back to them).
+    pub fn check_truncate(&self, b: &B, rows: CacheRows) -> Result<()> {
+        let now = self.cache_rows(b);
+        let shorter = |have: usize, want: usize| want <= have;
+        let fits = shorter(now.kv, rows.kv)
+            && match (now.index, rows.index) {
+                (Some((raw, blocks)), Some((want_raw, want_blocks))) => {
+                    shorter(raw, want_raw) && shorter(blocks, want_blocks)
+                }
+                (None, None) => true,
+                _ => false,
+            };
+        if !fits {
+            bail!(
+                "cannot roll the attention caches back to {rows:?}: they hold {now:?} (the state was replaced since the checkpoint)"
+            );
+        }
+        Ok(())
+    }
+
     pub fn bytes(&self, b: &B) -> usize {
         let mut acts = vec![&self.k, &self.v];
         if let Some((raw, blocks)) = &self.index {
@@ -58,6 +105,13 @@ impl<B: Backend> AttentionState<B> {
             })
             .sum()
     }
+}
+
+/// Rows of one attention state's caches: K and V, and the QSA indexer's raw and block keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheRows {
+    pub kv: usize,
+    pub index: Option<(usize, usize)>,
 }
 
 /// The QSA indexer of one attention layer.
