@@ -319,6 +319,39 @@ fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
+/// The index of the largest logit (greedy decoding).
+pub(super) fn argmax(logits: &[f32]) -> u32 {
+    logits
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .unwrap_or(0)
+}
+
+/// Times `steps` greedy single-token decode steps of `seq`, fed from `next` (left at the
+/// token to feed after them): seconds per step and seconds in all.
+pub(super) fn greedy_steps(
+    model: &mut dyn CausalLm,
+    seq: crate::model::SeqId,
+    next: &mut u32,
+    steps: usize,
+) -> Result<(Vec<f64>, f64)> {
+    let mut step_s = Vec::with_capacity(steps);
+    let t_all = Instant::now();
+    for _ in 0..steps {
+        let t = Instant::now();
+        let out = model.forward(&[BatchItem {
+            seq,
+            tokens: &[*next],
+            logits: LogitsWanted::Last,
+        }])?;
+        step_s.push(t.elapsed().as_secs_f64());
+        *next = argmax(&out[0]);
+    }
+    Ok((step_s, t_all.elapsed().as_secs_f64()))
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
@@ -454,37 +487,12 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let prefill_flops = 2.0 * matmul_params * n + 2.0 * head_params + attn_flops;
     let prefill_tok_s = n / prefill_s;
 
-    let mut next = logits[0]
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i as u32)
-        .unwrap_or(0);
+    let mut next = argmax(&logits[0]);
     // Greedy decode steps: (seconds per step, seconds in all, work items queued).
     let mut decode = |steps: usize| -> Result<(Vec<f64>, f64, u64)> {
-        let mut step_s = Vec::with_capacity(steps);
         let launches_before = backend.launches();
-        let t_all = Instant::now();
-        for _ in 0..steps {
-            let t = Instant::now();
-            let out = model.forward(&[BatchItem {
-                seq,
-                tokens: &[next],
-                logits: LogitsWanted::Last,
-            }])?;
-            step_s.push(t.elapsed().as_secs_f64());
-            next = out[0]
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .map(|(i, _)| i as u32)
-                .unwrap_or(0);
-        }
-        Ok((
-            step_s,
-            t_all.elapsed().as_secs_f64(),
-            backend.launches() - launches_before,
-        ))
+        let (step_s, total_s) = greedy_steps(&mut model, seq, &mut next, steps)?;
+        Ok((step_s, total_s, backend.launches() - launches_before))
     };
     // The same steps with CUDA graphs off and on (the first steps of each mode warm it up:
     // graph instantiation, the buffer pool), so their ratio is measured in one run.

@@ -905,27 +905,9 @@ pub fn run_synthetic_flash_next(
     let prefill_flops = 2.0 * matmul_params * n + 2.0 * head_params + attn_flops;
     let prefill_tok_s = n / prefill_s;
 
-    let mut step_s = Vec::with_capacity(opts.decode_steps);
-    let argmax = |l: &[f32]| {
-        l.iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map(|(i, _)| i as u32)
-            .unwrap_or(0)
-    };
-    let mut next = argmax(&logits[0]);
-    let t_all = Instant::now();
-    for _ in 0..opts.decode_steps {
-        let t = Instant::now();
-        let out = model.forward(&[BatchItem {
-            seq,
-            tokens: &[next],
-            logits: LogitsWanted::Last,
-        }])?;
-        step_s.push(t.elapsed().as_secs_f64());
-        next = argmax(&out[0]);
-    }
-    let decode_total_s = t_all.elapsed().as_secs_f64();
+    let mut next = super::bench::argmax(&logits[0]);
+    let (mut step_s, decode_total_s) =
+        super::bench::greedy_steps(&mut model, seq, &mut next, opts.decode_steps)?;
     let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
     step_s.sort_by(|a, b| a.total_cmp(b));
     let median_step = step_s.get(step_s.len() / 2).copied().unwrap_or(0.0);

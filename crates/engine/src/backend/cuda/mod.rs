@@ -763,20 +763,7 @@ impl CudaBackend {
             allocated = unsafe { drv::malloc_async(self.stream(), bytes) };
         }
         match allocated {
-            Ok(ptr) => {
-                if weight {
-                    self.inner
-                        .ledger
-                        .weights
-                        .fetch_add(bytes as u64, Ordering::Relaxed);
-                }
-                Ok(DevBuf {
-                    ptr,
-                    bytes,
-                    weight,
-                    dev: self.inner.clone(),
-                })
-            }
+            Ok(ptr) => Ok(self.allocated(ptr, bytes, weight)),
             Err(e) => {
                 self.inner.ledger.release(bytes as u64);
                 let (free, total) = drv::mem_get_info().unwrap_or((0, 0));
@@ -805,18 +792,23 @@ impl CudaBackend {
             .lock()
             .expect("allocation set poisoned")
             .insert(ptr);
+        Ok(self.allocated(ptr, bytes, weight))
+    }
+
+    /// A fresh allocation (already reserved in the ledger) as a buffer; weights are counted.
+    fn allocated(&self, ptr: drv_sys::CUdeviceptr, bytes: usize, weight: bool) -> DevBuf {
         if weight {
             self.inner
                 .ledger
                 .weights
                 .fetch_add(bytes as u64, Ordering::Relaxed);
         }
-        Ok(DevBuf {
+        DevBuf {
             ptr,
             bytes,
             weight,
             dev: self.inner.clone(),
-        })
+        }
     }
 
     fn alloc(&self, bytes: usize, what: &str) -> DevBuf {
