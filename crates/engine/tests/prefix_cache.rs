@@ -35,12 +35,6 @@ fn identity(name: &str) -> CacheIdentity {
 }
 
 fn scheduler(name: &str, cache: Option<CacheConfig>) -> Scheduler {
-    parking_scheduler(name, cache, SchedulerConfig::default().max_parked)
-}
-
-/// A scheduler keeping at most `max_parked` finished sequences on the device (0: none, every
-/// turn goes to the host cache).
-fn parking_scheduler(name: &str, cache: Option<CacheConfig>, max_parked: usize) -> Scheduler {
     let ck = Checkpoint::open(&fixture(name)).unwrap();
     let m = model::load(CpuBackend::new(), &ck).unwrap();
     Scheduler::start(
@@ -50,9 +44,20 @@ fn parking_scheduler(name: &str, cache: Option<CacheConfig>, max_parked: usize) 
             max_batch: 4,
             prefill_chunk: 40,
             prefix_cache: cache,
-            max_parked,
             ..Default::default()
         },
+    )
+}
+
+/// A scheduler keeping at most `max_parked` finished sequences on the device (0: none, every
+/// turn goes to the host cache).
+fn parking_scheduler(name: &str, cache: CacheConfig, max_parked: usize) -> Scheduler {
+    scheduler(
+        name,
+        Some(CacheConfig {
+            max_parked,
+            ..cache
+        }),
     )
 }
 
@@ -178,7 +183,7 @@ fn interleaved_sessions_keep_their_prefixes_under_a_small_budget() {
         let (a, a_answers) = conversation(&reference, 11, 3);
         let (b, b_answers) = conversation(&reference, 12, 3);
         // Measure one long state, then give RAM room for about two of them.
-        let probe = parking_scheduler(name, Some(cache_config(name, None, 1 << 30)), 0);
+        let probe = parking_scheduler(name, cache_config(name, None, 1 << 30), 0);
         generate(&probe, &a.prompts[2], Some("probe"));
         let one = probe
             .cache()
@@ -189,7 +194,7 @@ fn interleaved_sessions_keep_their_prefixes_under_a_small_budget() {
             .usage
             .ram_bytes as usize;
         let budget = one * 2;
-        let cached = parking_scheduler(name, Some(cache_config(name, None, budget)), max_parked);
+        let cached = parking_scheduler(name, cache_config(name, None, budget), max_parked);
         for t in 0..3 {
             // Both sessions' turns run at the same time.
             let (sa, sb) = (&cached, &cached);
@@ -347,7 +352,7 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
         // tip the largest): one tip fits, two do not, so b's turn pushes a's intermediates,
         // then a's conversation itself, down to disk. One parked sequence: b's parks evict
         // a's to RAM (and so on), so the turns resume from the host tiers.
-        let probe = parking_scheduler(name, Some(cache_config(name, None, 1 << 30)), 0);
+        let probe = parking_scheduler(name, cache_config(name, None, 1 << 30), 0);
         generate(&probe, &a.prompts[0], Some("probe"));
         // The end-of-turn capture follows the Finished event: wait for it.
         let t0 = std::time::Instant::now();
@@ -364,7 +369,7 @@ fn under_ram_pressure_sessions_move_to_disk_and_resume_exactly() {
             std::thread::sleep(std::time::Duration::from_millis(10));
         };
         let budget = one / 2;
-        let cached = parking_scheduler(name, Some(cache_config(name, Some(dir.path()), budget)), 1);
+        let cached = parking_scheduler(name, cache_config(name, Some(dir.path()), budget), 1);
         assert_eq!(generate(&cached, &a.prompts[0], Some("a")).0, a_answers[0]);
         assert_eq!(generate(&cached, &b.prompts[0], Some("b")).0, b_answers[0]);
         wait_for(&cached, "b parked", parked_is("b", b.tips[0]));
@@ -507,7 +512,7 @@ fn an_evicted_parked_sequence_resumes_from_ram_exactly() {
         let (a, a_answers) = conversation(&reference, 81, 2);
         let (b, b_answers) = conversation(&reference, 82, 2);
         // One parked sequence: b's first turn evicts a's to RAM, a's second turn evicts b's.
-        let cached = parking_scheduler(name, Some(cache_config(name, None, 64 << 20)), 1);
+        let cached = parking_scheduler(name, cache_config(name, None, 64 << 20), 1);
         assert_eq!(generate(&cached, &a.prompts[0], Some("a")).0, a_answers[0]);
         assert_eq!(generate(&cached, &b.prompts[0], Some("b")).0, b_answers[0]);
         wait_for(&cached, "b parked", parked_is("b", b.tips[0]));

@@ -71,6 +71,10 @@ pub struct BenchAgentReplayArgs {
     /// Tokens per prefix cache block.
     #[arg(long, default_value_t = 64)]
     pub block_tokens: usize,
+    /// Finished sessions' sequences kept parked on the device for their next turn (the prefix
+    /// cache's VRAM tier); 0 copies every turn to RAM instead (the cache before parking).
+    #[arg(long, default_value_t = 4)]
+    pub max_parked: usize,
 }
 
 const TOOLS: [(&str, &str); 4] = [
@@ -322,7 +326,8 @@ fn kv_bytes_per_token(c: &TextConfig) -> u64 {
 /// Where the replay's VRAM goes on CUDA, before anything is loaded: the weights, session A's
 /// KV at its last turn with room for the backend's doubling growth (a state imported at n rows
 /// grows to 2n when the turn appends), session B's at a quarter of that, both sequences' GDN
-/// states, one prefill chunk's activations and scratch, and the pool's reserve.
+/// states (twice with parking: each parked sequence keeps a checkpoint copy of them), one
+/// prefill chunk's activations and scratch, and the pool's reserve.
 fn replay_vram_plan(
     c: &TextConfig,
     quant: Option<capy_engine::backend::cpu::experts::format::RowFormat>,
@@ -335,7 +340,8 @@ fn replay_vram_plan(
     let ctx_b = ctx_a / 4 + 1024;
     let per = kv_bytes_per_token(c);
     let kv = 2 * (ctx_a + ctx_b) * per;
-    let states = 2 * p.states;
+    let copies = if a.max_parked > 0 { 2 } else { 1 };
+    let states = 2 * copies * p.states;
     let total = p.weights + kv + states + p.workspace + p.reserve;
     Ok((
         total,
@@ -625,6 +631,7 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     };
     let cache = CacheConfig {
         block_tokens: a.block_tokens,
+        max_parked: a.max_parked,
         ram_bytes: usize::try_from(a.cache_ram).unwrap_or(usize::MAX),
         // Disk offload starts off; it is switched on through the admin endpoint below.
         disk_dir: None,
@@ -662,10 +669,22 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     let (on_a, on_b, agent) = replay(&srv, &a, words, true).await?;
     let on_wall = t0.elapsed().as_secs_f64();
 
-    // A's next turn (its last tool result) resumed from RAM; then the same prompt from disk
-    // and recomputed. It stays inside the tool loop, as an agent does between user messages.
+    // A's next turn (its last tool result) resumed from its parked sequence (with parking),
+    // then from RAM once the idle sessions left the device, then the same prompt from disk and
+    // recomputed. It stays inside the tool loop, as an agent does between user messages.
     let resume = agent.body(a.decode_tokens);
-    let ram = stream(srv.addr, &agent.id, &resume).await?;
+    let first = stream(srv.addr, &agent.id, &resume).await?;
+    let (vram, ram) = if a.max_parked > 0 {
+        prefix_cache.lock().unwrap().set_idle(Duration::ZERO);
+        wait_off_device(&prefix_cache).await?;
+        prefix_cache
+            .lock()
+            .unwrap()
+            .set_idle(Duration::from_secs(3600));
+        (Some(first), stream(srv.addr, &agent.id, &resume).await?)
+    } else {
+        (None, first)
+    };
     let dir = offload.path().to_string_lossy().into_owned();
     http_json(
         srv.addr,
@@ -676,6 +695,7 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     .await?;
     prefix_cache.lock().unwrap().set_idle(Duration::ZERO);
     let t = Instant::now();
+    wait_off_device(&prefix_cache).await?;
     loop {
         let st = http_json(srv.addr, "GET", "/admin/status", &Value::Null).await?;
         let ram_use = st["use"]["prefix_cache"]["ram_bytes"].as_u64().unwrap_or(1);
@@ -731,6 +751,7 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
         "decode_tokens": a.decode_tokens,
         "prefill_chunk": a.prefill_chunk,
         "block_tokens": a.block_tokens,
+        "max_parked": a.max_parked,
         "cache_ram_bytes": a.cache_ram,
         "tool_result_words": words,
         "tokens_per_word": tokens_per_word,
@@ -742,6 +763,7 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
                       "note": "same loaded model, cache switched off; session A only (without a cache B cannot change A's turns)"},
         "resume": {
             "prompt_tokens": disk.prompt_tokens,
+            "vram": vram.as_ref().map(|v| json!({"ttft_ms": v.ttft_s * 1e3, "cached_tokens": v.cached_tokens})),
             "ram": {"ttft_ms": ram.ttft_s * 1e3, "cached_tokens": ram.cached_tokens, "prompt_tokens": ram.prompt_tokens},
             "disk": {"ttft_ms": disk.ttft_s * 1e3, "cached_tokens": disk.cached_tokens, "offload_wait_s": offload_s},
             "recompute": {"ttft_ms": recompute.ttft_s * 1e3, "cached_tokens": recompute.cached_tokens},
@@ -752,11 +774,25 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
         "turn20_over_turn1_ttft_ratio": ratio(on20, on1),
         "turn20_over_turn1_ttft_ratio_cache_off": ratio(off20, off1),
         "last_turn_cache_speedup_ratio": ratio(off20, on20),
+        "vram_resume_speedup_ratio": vram.as_ref().map(|v| ratio(recompute.ttft_s, v.ttft_s)),
         "ram_resume_speedup_ratio": ratio(recompute.ttft_s, ram.ttft_s),
         "disk_resume_speedup_ratio": ratio(recompute.ttft_s, disk.ttft_s),
         "goals": {"turn20_over_turn1_ttft_ratio_max": 1.5, "disk_resume_speedup_ratio_min": 10.0,
                   "note": "goals are for the GPU box with a full-size model at ~30K tokens"},
     }))
+}
+
+/// Waits until no session is parked on the device any more (with the idle time at zero the
+/// scheduler exports them to RAM within a second).
+async fn wait_off_device(cache: &std::sync::Mutex<capy_engine::cache::PrefixCache>) -> Result<()> {
+    let t = Instant::now();
+    while !cache.lock().unwrap().parked_sessions().is_empty() {
+        if t.elapsed() > Duration::from_secs(180) {
+            bail!("the parked sequences did not leave the device in 3 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 /// A temporary folder for the disk tier, removed when dropped.

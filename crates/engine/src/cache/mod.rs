@@ -83,6 +83,13 @@ pub struct CacheConfig {
     pub idle: Duration,
     /// What disk entries must match.
     pub identity: CacheIdentity,
+    /// The VRAM tier: finished sessions' sequences kept live on the model's device for their
+    /// next turn (parked by the scheduler), at most this many; 0 turns it off (every turn is
+    /// then copied to RAM).
+    pub max_parked: usize,
+    /// ... holding at most this many bytes of state in all (KV, recurrent states and their
+    /// checkpoints), beside the running sequences.
+    pub parked_bytes: usize,
 }
 
 impl CacheConfig {
@@ -95,6 +102,8 @@ impl CacheConfig {
             disk_dir: None,
             idle: Duration::from_secs(300),
             identity,
+            max_parked: 4,
+            parked_bytes: 8 << 30,
         }
     }
 }

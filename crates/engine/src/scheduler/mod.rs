@@ -10,7 +10,7 @@
 //! With a prefix cache ([`SchedulerConfig::prefix_cache`]) a request resumes from the deepest
 //! cached state of its prompt and prefills only the rest; prefill chunks then end on the
 //! cache's block boundaries so states can be captured there, and every finished turn is
-//! captured too (see [`crate::cache`]). With parking on ([`SchedulerConfig::max_parked`]) a
+//! captured too (see [`crate::cache`]). With parking on ([`CacheConfig::max_parked`]) a
 //! finished turn's sequence stays live on the model's device instead ([`parked`]): the
 //! session's next request continues on it, nothing is copied, and only the new tokens are
 //! computed; its state goes to the host cache only when it leaves the device (evicted, idle,
@@ -49,12 +49,6 @@ pub struct SchedulerConfig {
     pub max_context: usize,
     /// The prefix cache; `None` computes every prompt from scratch.
     pub prefix_cache: Option<CacheConfig>,
-    /// With a prefix cache: finished sessions' sequences kept live on the model's device for
-    /// their next turn, at most this many (0: none, every turn is copied to the host cache).
-    pub max_parked: usize,
-    /// ... holding at most this many bytes of state in all (KV, recurrent states and their
-    /// checkpoints), beside the running sequences.
-    pub parked_bytes: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -65,8 +59,6 @@ impl Default for SchedulerConfig {
             prefill_chunk: 256,
             max_context: usize::MAX,
             prefix_cache: None,
-            max_parked: 4,
-            parked_bytes: 8 << 30,
         }
     }
 }
@@ -542,14 +534,10 @@ fn run_loop(
     // The session admitted last (its experts are the warm ones).
     let mut last_session: Option<String> = None;
     let mut last_maintain = std::time::Instant::now();
-    let mut parked = parked::ParkedSet::new(
-        if cache.is_some() {
-            config.max_parked
-        } else {
-            0
-        },
-        config.parked_bytes,
-    );
+    let mut parked = match &config.prefix_cache {
+        Some(c) => parked::ParkedSet::new(c.max_parked, c.parked_bytes),
+        None => parked::ParkedSet::new(0, 0),
+    };
     loop {
         // Block size and capture spacing of the prefix cache (`None` while it is off).
         let blocks = cache.and_then(|c| {

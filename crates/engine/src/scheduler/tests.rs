@@ -504,3 +504,76 @@ fn a_slow_disk_write_does_not_hold_up_requests() {
         "{on_disk:?}"
     );
 }
+
+/// Waits (at most 5 s) until the cache lists exactly these parked sessions: parking follows
+/// the Finished event, on the scheduler's thread.
+fn wait_parked(s: &Scheduler, want: &[(&str, usize)]) {
+    let want: Vec<(String, usize)> = want.iter().map(|(s, n)| (s.to_string(), *n)).collect();
+    let t0 = Instant::now();
+    loop {
+        let got = s.cache().unwrap().lock().unwrap().parked_sessions();
+        if got == want {
+            return;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 5,
+            "parked {got:?}, expected {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn parked_sequences_stay_within_their_limits_least_recently_used_out() {
+    let tok = tokenizer();
+    let script = tok.encode("ok", false).unwrap();
+    let lm = ScriptedLm::new(tok.vocab_size(), 4096, script, DEMO_IM_END_ID);
+    let stats = lm.stats();
+    // Two parked sequences of at most 2000 bytes in all (ScriptedLm: 4 bytes per token).
+    let config = SchedulerConfig {
+        prefix_cache: Some(crate::cache::CacheConfig {
+            block_tokens: 4,
+            max_parked: 2,
+            parked_bytes: 2000,
+            ..crate::cache::CacheConfig::new(crate::cache::CacheIdentity {
+                model_id: "scripted".into(),
+                format: "test".into(),
+            })
+        }),
+        ..Default::default()
+    };
+    let s = Scheduler::start(Box::new(lm), tok, config);
+    let prompt =
+        |seed: u32, n: u32| -> Vec<u32> { (0..n).map(|i| 100 + (seed + i) % 50).collect() };
+    let long = prompt(0, 400);
+    collect(s.submit(session_request(long.clone(), "long")).unwrap());
+    // Another session's small requests take one slot, not the long conversation's.
+    for i in 0..5 {
+        collect(
+            s.submit(session_request(prompt(7 + i, 20), "small"))
+                .unwrap(),
+        );
+    }
+    wait_parked(&s, &[("long", 400), ("small", 20)]);
+    let mut long2 = long.clone();
+    long2.extend(prompt(3, 8));
+    let (_, _, _, usage) = collect(s.submit(session_request(long2, "long")).unwrap());
+    assert_eq!(usage.cached_tokens, 400, "continued on the parked sequence");
+    let m = s.metrics();
+    assert_eq!(m.prefix_cache_parked_hits_total.load(Ordering::Relaxed), 1);
+    wait_parked(&s, &[("long", 408), ("small", 20)]);
+    let st = s.cache().unwrap().lock().unwrap().status();
+    let line = st.sessions.iter().find(|x| x.id == "long").unwrap();
+    assert_eq!((line.tier, line.tokens), (crate::cache::Tier::Vram, 408));
+    // 1632 + 800 bytes exceed the budget: the least recently used (small) leaves.
+    collect(s.submit(session_request(prompt(20, 200), "mid")).unwrap());
+    wait_parked(&s, &[("long", 408), ("mid", 200)]);
+    // Larger than the whole budget: not parked, the others stay.
+    collect(s.submit(session_request(prompt(30, 600), "huge")).unwrap());
+    wait_parked(&s, &[("long", 408), ("mid", 200)]);
+    assert_eq!(stats.live_sequences.load(Ordering::Relaxed), 2);
+    // What left the device went to the RAM tier.
+    let c = s.cache().unwrap().lock().unwrap();
+    assert_eq!(c.entries_of("small").last().map(|e| e.0), Some(20));
+    assert_eq!(c.entries_of("huge").last().map(|e| e.0), Some(600));
+}
