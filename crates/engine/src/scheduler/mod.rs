@@ -824,10 +824,10 @@ fn run_loop(
 /// not be parked, so that the next turn resumes there.
 fn captures_here(a: &Active<'_>, (block, every): (usize, usize)) -> bool {
     let at = a.prefilled;
-    if at % block != 0 {
+    if !at.is_multiple_of(block) {
         return false;
     }
-    let shared = !a.from_parked && (at / block) % every == 0;
+    let shared = !a.from_parked && (at / block).is_multiple_of(every);
     let last = (a.prompt.len() - 1) / block * block;
     shared || (at == last && !a.checkpointed)
 }
