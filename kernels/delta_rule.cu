@@ -6,10 +6,12 @@
 
 #define GDR_MAX_DK 128
 
-// q, k [n, NK·dk]; v [n, NV·dv]; g, beta [n, NV]; state [NV, dk, dv]; out [n, NV·dv].
-// grid (NV, ceil(dv / 32)), block 32.
+// q, k [n, NK·dk]; v [n, NV·dv]; g, beta [n, NV]; state [NV, dk, dv]; out [n, NV·dv]. q, k and
+// v rows are `q_stride`, `k_stride`, `v_stride` floats apart, so they may be read in place from
+// the packed conv output. grid (NV, ceil(dv / 32)), block 32.
 extern "C" __global__ void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                                            float* state, float* out, int n, int nk, int nv, int dk, int dv) {
+                                            float* state, float* out, int n, int nk, int nv, int dk, int dv,
+                                            int q_stride, int k_stride, int v_stride) {
     __shared__ float qs[GDR_MAX_DK], ks[GDR_MAX_DK];
     const int h = blockIdx.x, lane = threadIdx.x;
     const int b = blockIdx.y * 32 + lane;
@@ -21,8 +23,8 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
 #pragma unroll
     for (int a = 0; a < GDR_MAX_DK; a++) S[a] = (a < dk && active) ? st[(u64)a * dv + b] : 0.0f;
     for (int t = 0; t < n; t++) {
-        const float* qr = q + ((u64)t * nk + kh) * dk;
-        const float* kr = k + ((u64)t * nk + kh) * dk;
+        const float* qr = q + (u64)t * q_stride + (u64)kh * dk;
+        const float* kr = k + (u64)t * k_stride + (u64)kh * dk;
         float qq = 0.0f, kk = 0.0f;
         for (int a = lane; a < dk; a += 32) {
             float qa = qr[a], ka = kr[a];
@@ -46,7 +48,7 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
                 kv_mem += (ks[a] * kinv) * S[a];
             }
         }
-        const float vb = active ? v[((u64)t * nv + h) * dv + b] : 0.0f;
+        const float vb = active ? v[(u64)t * v_stride + (u64)h * dv + b] : 0.0f;
         const float delta = (vb - kv_mem) * bt;
         float o = 0.0f;
 #pragma unroll

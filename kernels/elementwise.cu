@@ -1,5 +1,5 @@
 // Element-wise and layout kernels: embedding gather, add, SwiGLU, sigmoid gate, column
-// copies, GDN gates, dtype conversions, RoPE, the causal depthwise conv.
+// copies and splits, GDN gates, dtype conversions, RoPE, the causal depthwise conv.
 
 extern "C" __global__ void embedding(const void* table, int dt, const u32* ids, float* out, int cols) {
     int r = blockIdx.x;
@@ -28,6 +28,34 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, u64 rows, int
         u64 r = i / ncols;
         int c = (int)(i - r * ncols);
         dst[i] = src[r * src_cols + c0 + c];
+    }
+}
+
+// Up to four consecutive column pieces in one pass: piece j is columns [b_j, b_{j+1}) of src,
+// written to d_j as a [rows, b_{j+1} - b_j] matrix (unused pieces are empty ranges).
+extern "C" __global__ void split_cols4(const float* src, u64 rows, int src_cols, float* d0, float* d1, float* d2,
+                                       float* d3, int b0, int b1, int b2, int b3, int b4) {
+    const int width = b4 - b0;
+    const u64 n = rows * width;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / width;
+        const int c = b0 + (int)(i - r * width);
+        const float v = src[r * src_cols + c];
+        if (c < b1) d0[r * (b1 - b0) + (c - b0)] = v;
+        else if (c < b2) d1[r * (b2 - b1) + (c - b1)] = v;
+        else if (c < b3) d2[r * (b3 - b2) + (c - b2)] = v;
+        else d3[r * (b4 - b3) + (c - b3)] = v;
+    }
+}
+
+// SwiGLU of a fused [rows, 2·inter] gate ‖ up projection: out [rows, inter] = silu(gate) · up.
+extern "C" __global__ void silu_mul_halves(const float* gu, float* out, u64 rows, int inter) {
+    const u64 n = rows * inter;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / inter;
+        const int c = (int)(i - r * inter);
+        const float* row = gu + r * 2 * inter;
+        out[i] = silu_f(row[c]) * row[inter + c];
     }
 }
 
@@ -96,6 +124,30 @@ extern "C" __global__ void causal_conv1d_silu(const float* __restrict__ x, const
         }
         acc += load_weight(w, dt, (u64)c * taps + taps - 1) * x[i];
         out[i] = silu_f(acc);
+    }
+}
+
+// causal_conv1d_silu and causal_conv1d_state in one launch, for a few tokens (decode): one
+// thread per channel computes that channel's outputs (taps summed in the same order), then
+// shifts the channel's state; no other thread touches the channel, so no ordering is needed.
+extern "C" __global__ void causal_conv1d_silu_update(const float* __restrict__ x, float* state,
+                                                     const void* __restrict__ w, int dt, float* __restrict__ out,
+                                                     int n, int channels, int taps) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    for (int t = 0; t < n; t++) {
+        float acc = 0.0f;
+        for (int j = 0; j < taps - 1; j++) {
+            const int s = t - (taps - 1) + j;
+            const float in = s >= 0 ? x[(u64)s * channels + c] : state[(u64)(taps - 1 + s) * channels + c];
+            acc += load_weight(w, dt, (u64)c * taps + j) * in;
+        }
+        acc += load_weight(w, dt, (u64)c * taps + taps - 1) * x[(u64)t * channels + c];
+        out[(u64)t * channels + c] = silu_f(acc);
+    }
+    for (int j = 0; j < taps - 1; j++) {
+        const int s = n - (taps - 1) + j;
+        state[(u64)j * channels + c] = s >= 0 ? x[(u64)s * channels + c] : state[(u64)(j + n) * channels + c];
     }
 }
 

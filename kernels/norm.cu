@@ -1,13 +1,18 @@
 // RMSNorm over consecutive groups of `group` values (one block per group), optionally scaled by
-// (1 + w) and gated by silu(gate) (the GDN output norm).
+// (1 + w) and gated by silu(gate) (the GDN output norm); add_rms_norm first adds the residual
+// branch into x in place (each block owns its group, so the sum it norms is its own).
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, const float* gate, float* out, int group, float eps,
-                                    int one_plus) {
+__device__ __forceinline__ void rms_norm_group(float* x, const float* add, const float* w, const float* gate,
+                                               float* out, int group, float eps, int one_plus) {
     __shared__ float scratch[32];
     u64 base = (u64)blockIdx.x * group;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < group; i += blockDim.x) {
         float v = x[base + i];
+        if (add) {
+            v += add[base + i];
+            x[base + i] = v;
+        }
         ss += v * v;
     }
     ss = block_sum(ss, scratch);
@@ -18,4 +23,15 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
         if (gate) o *= silu_f(gate[base + i]);
         out[base + i] = o;
     }
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* gate, float* out, int group, float eps,
+                                    int one_plus) {
+    rms_norm_group((float*)x, nullptr, w, gate, out, group, eps, one_plus);
+}
+
+// x += y, out = rms_norm(x).
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int group, float eps,
+                                        int one_plus) {
+    rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus);
 }

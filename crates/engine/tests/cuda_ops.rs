@@ -449,7 +449,8 @@ fn causal_conv_matches_cpu_and_carries_state() {
         let init = r.vec((taps - 1) * channels, 1.0);
         let (mut sc, mut sg) = pair(&g, taps - 1, channels, &init);
         // A prefill chunk, then single decode steps: state must carry across calls.
-        for n in [10, 1, 1, 3] {
+        // Up to MATVEC_MAX_ROWS (8) tokens take the fused decode kernel, more the two-pass one.
+        for n in [10, 1, 1, 3, 8, 9, 1] {
             let x = r.vec(n * channels, 1.0);
             let (xc, xg) = pair(&g, n, channels, &x);
             let oc = c.causal_conv1d_silu(&xc, &mut sc, &wc);
@@ -551,6 +552,116 @@ fn gated_delta_rule_matches_cpu_in_both_modes() {
                 &sc.data,
                 &format!("gated delta rule state {nv}x{dk}x{dv} n {n} {mode:?}"),
             );
+        }
+    }
+}
+
+/// The fused decode ops (split_cols, silu_mul_halves, add_rms_norm, the packed delta rule) and
+/// the cached RoPE positions against the CPU backend, whose defaults compose the plain ops.
+#[test]
+fn fused_decode_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(12);
+    // split_cols: the GDN in_proj pieces (four, one launch), a zero-width piece, more than
+    // four pieces (two launches), and pieces that leave trailing columns out.
+    for (rows, cols) in [(1, 10240 + 6144 + 48 + 48), (3, 100)] {
+        let x = r.vec(rows * cols, 1.0);
+        let (xc, xg) = pair(&g, rows, cols, &x);
+        let widths4 = if cols == 100 {
+            [40, 0, 33, 27]
+        } else {
+            [10240, 6144, 48, 48]
+        };
+        let (pc, pg) = (c.split_cols(&xc, widths4), g.split_cols(&xg, widths4));
+        for (i, (pc, pg)) in pc.iter().zip(&pg).enumerate() {
+            assert_eq!(g.shape(pg), c.shape(pc), "split_cols piece {i}");
+            assert_eq!(g.to_host(pg), pc.data, "split_cols {rows}x{cols} piece {i}");
+        }
+        let widths6 = [3, 7, 1, 20, 0, 9];
+        let (pc, pg) = (c.split_cols(&xc, widths6), g.split_cols(&xg, widths6));
+        for (i, (pc, pg)) in pc.iter().zip(&pg).enumerate() {
+            assert_eq!(g.to_host(pg), pc.data, "split_cols of six, piece {i}");
+        }
+    }
+    // silu_mul_halves: the MLP's fused gate ‖ up, decode and a few rows.
+    for (rows, inter) in [(1, 17408), (5, 96)] {
+        let gu = r.vec(rows * 2 * inter, 4.0);
+        let (gc, gg) = pair(&g, rows, 2 * inter, &gu);
+        assert_close(
+            &g.to_host(&g.silu_mul_halves(&gg)),
+            &c.silu_mul_halves(&gc).data,
+            &format!("silu_mul_halves {rows}x{inter}"),
+        );
+    }
+    // add_rms_norm: whole-row norms (the residual stream) and per-group ones.
+    for (rows, cols, group) in [(1, 5120, 5120), (3, 5120, 5120), (4, 48 * 128, 128)] {
+        let x = r.vec(rows * cols, 3.0);
+        let y = r.vec(rows * cols, 3.0);
+        let w = r.vec(group, 0.5);
+        let (mut xc, mut xg) = pair(&g, rows, cols, &x);
+        let (yc, yg) = pair(&g, rows, cols, &y);
+        let wg = g.vector(&w).unwrap();
+        for scale in [NormScale::OnePlus, NormScale::Plain] {
+            let oc = c.add_rms_norm(&mut xc, &yc, &w, 1e-6, scale, group);
+            let og = g.add_rms_norm(&mut xg, &yg, &wg, 1e-6, scale, group);
+            let what = format!("add_rms_norm {scale:?} {rows}x{cols}/{group}");
+            assert_close(&g.to_host(&xg), &xc.data, &format!("{what} sum"));
+            assert_close(&g.to_host(&og), &oc.data, &what);
+        }
+    }
+    // The packed delta rule: decode reads q, k, v in place; prefill splits for the chunks.
+    let shape = DeltaRuleShape {
+        num_k_heads: 16,
+        num_v_heads: 48,
+        k_head_dim: 128,
+        v_head_dim: 128,
+    };
+    let (kd, vd, nv) = (16 * 128, 48 * 128, 48);
+    let init = r.vec(nv * 128 * 128, 0.5);
+    let (mut sc, mut sg) = pair(&g, nv * 128, 128, &init);
+    for (n, mode) in [
+        (1, DeltaRuleMode::Recurrent),
+        (70, DeltaRuleMode::Chunked),
+        (1, DeltaRuleMode::Recurrent),
+        (3, DeltaRuleMode::Recurrent),
+    ] {
+        let qkv = r.vec(n * (2 * kd + vd), 1.0);
+        let gate: Vec<f32> = r
+            .vec(n * nv, 1.0)
+            .iter()
+            .map(|x| -(x.abs() * 0.5))
+            .collect();
+        let beta: Vec<f32> = r.vec(n * nv, 1.0).iter().map(|x| x.abs()).collect();
+        let (qc, qg) = pair(&g, n, 2 * kd + vd, &qkv);
+        let (gc, gg) = pair(&g, n, nv, &gate);
+        let (bc, bg) = pair(&g, n, nv, &beta);
+        let oc = c.gated_delta_rule_packed(&qc, &gc, &bc, &mut sc, shape, mode);
+        let og = g.gated_delta_rule_packed(&qg, &gg, &bg, &mut sg, shape, mode);
+        assert_close(
+            &g.to_host(&og),
+            &oc.data,
+            &format!("packed delta rule n {n} {mode:?}"),
+        );
+        assert_close(
+            &g.to_host(&sg),
+            &sc.data,
+            &format!("packed delta rule state n {n} {mode:?}"),
+        );
+    }
+    // RoPE positions are uploaded once and reused while unchanged: q and k of one step, then
+    // the next step's positions (same count, new values), then a different count.
+    let (heads, d, rot) = (4, 64, 32);
+    let inv_freq: Vec<f32> = (0..rot / 2)
+        .map(|i| (1.0 / 1e7f64.powf((2 * i) as f64 / rot as f64)) as f32)
+        .collect();
+    for positions in [&[5usize][..], &[5], &[6], &[6, 7, 900]] {
+        for _ in 0..2 {
+            let x = r.vec(positions.len() * heads * d, 2.0);
+            let (mut xc, mut xg) = pair(&g, positions.len(), heads * d, &x);
+            c.rope(&mut xc, positions, d, rot, &inv_freq);
+            g.rope(&mut xg, positions, d, rot, &inv_freq);
+            assert_close(&g.to_host(&xg), &xc.data, &format!("rope at {positions:?}"));
         }
     }
 }

@@ -159,6 +159,16 @@ pub trait Backend: Send + Sync + 'static {
     fn rows(&self, x: &Self::Act, range: Range<usize>) -> Self::Act;
     /// A copy of columns `range`.
     fn cols(&self, x: &Self::Act, range: Range<usize>) -> Self::Act;
+    /// Consecutive column pieces from column 0: piece `i` is `widths[i]` columns wide (the
+    /// widths may sum to less than `x`'s columns). A fused projection's outputs are split this
+    /// way; a backend can do it in one pass instead of one copy per piece.
+    fn split_cols<const N: usize>(&self, x: &Self::Act, widths: [usize; N]) -> [Self::Act; N] {
+        let mut start = 0;
+        widths.map(|w| {
+            start += w;
+            self.cols(x, start - w..start)
+        })
+    }
     /// Rows of all parts, in order (all with the same column count).
     fn cat_rows(&self, parts: &[Self::Act]) -> Self::Act;
     /// Appends `src`'s rows to `dst` (KV caches grow this way).
@@ -193,6 +203,26 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Self::Act;
     /// `silu(gate) · up`.
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
+    /// SwiGLU of a fused `gate ‖ up` projection `[n, 2I]`: `silu(gate) · up`, `[n, I]`.
+    fn silu_mul_halves(&self, gate_up: &Self::Act) -> Self::Act {
+        let inter = self.shape(gate_up).1 / 2;
+        let [gate, up] = self.split_cols(gate_up, [inter, inter]);
+        self.silu_mul(&gate, &up)
+    }
+    /// The residual add then the next norm: `x += y`, returns `rms_norm(x)` (see
+    /// [`Backend::rms_norm`]). One pass over the row instead of two.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        scale: NormScale,
+        group: usize,
+    ) -> Self::Act {
+        self.add_assign(x, y);
+        self.rms_norm(x, w, eps, scale, group)
+    }
     /// `x · sigmoid(gate)`.
     fn sigmoid_gate(&self, x: &Self::Act, gate: &Self::Act) -> Self::Act;
     /// Rotates the first `rotary_dim` dims of every head in place (rotate-half convention);
@@ -249,6 +279,23 @@ pub trait Backend: Send + Sync + 'static {
         shape: DeltaRuleShape,
         mode: DeltaRuleMode,
     ) -> Self::Act;
+
+    /// [`Backend::gated_delta_rule`] on the packed conv output `qkv` `[n, 2·k_heads·dk +
+    /// v_heads·dv]` (`q ‖ k ‖ v`), so that a backend can read the three in place.
+    fn gated_delta_rule_packed(
+        &self,
+        qkv: &Self::Act,
+        g: &Self::Act,
+        beta: &Self::Act,
+        state: &mut Self::Act,
+        shape: DeltaRuleShape,
+        mode: DeltaRuleMode,
+    ) -> Self::Act {
+        let kd = shape.num_k_heads * shape.k_head_dim;
+        let vd = shape.num_v_heads * shape.v_head_dim;
+        let [q, k, v] = self.split_cols(qkv, [kd, kd, vd]);
+        self.gated_delta_rule(&q, &k, &v, g, beta, state, shape, mode)
+    }
 
     // --- Flash-Next (qwen4_exp_text) ops ---
     // Each has a default that runs the CPU reference on host copies, so a backend works before
@@ -411,8 +458,7 @@ pub trait Backend: Send + Sync + 'static {
                 .map(|&(r, _)| self.rows(x, r..r + 1))
                 .collect();
             let gu = self.linear(&self.cat_rows(&picked), &experts[e].gate_up);
-            let inter = self.shape(&gu).1 / 2;
-            let act = self.silu_mul(&self.cols(&gu, 0..inter), &self.cols(&gu, inter..2 * inter));
+            let act = self.silu_mul_halves(&gu);
             let y = self.to_host(&self.linear(&act, &experts[e].down));
             for (i, &(r, w)) in rows_of_e.iter().enumerate() {
                 for (o, v) in out[r * hidden..(r + 1) * hidden]
@@ -463,6 +509,119 @@ mod tests {
     use super::cpu::experts::format::RowFormat;
     use super::cpu::experts::random_blocks;
     use super::*;
+
+    fn ramp(n: usize, step: f32) -> Vec<f32> {
+        (0..n).map(|i| (i as f32 * step).sin()).collect()
+    }
+
+    #[test]
+    fn default_split_cols_takes_consecutive_pieces() {
+        let be = cpu::CpuBackend::new();
+        let data = ramp(3 * 10, 0.7);
+        let x = be.from_host(3, 10, &data);
+        let [a, b, c] = be.split_cols(&x, [4, 0, 5]);
+        assert_eq!(be.shape(&b), (3, 0));
+        for r in 0..3 {
+            assert_eq!(a.data[r * 4..(r + 1) * 4], data[r * 10..r * 10 + 4]);
+            assert_eq!(c.data[r * 5..(r + 1) * 5], data[r * 10 + 4..r * 10 + 9]);
+        }
+    }
+
+    #[test]
+    fn default_silu_mul_halves_is_swiglu_of_the_halves() {
+        let be = cpu::CpuBackend::new();
+        let data = ramp(2 * 6, 0.9);
+        let y = be.silu_mul_halves(&be.from_host(2, 6, &data));
+        assert_eq!(be.shape(&y), (2, 3));
+        for r in 0..2 {
+            for i in 0..3 {
+                let (g, u) = (data[r * 6 + i], data[r * 6 + 3 + i]);
+                let want = g / (1.0 + (-g).exp()) * u;
+                assert!((y.data[r * 3 + i] - want).abs() <= 1e-6, "{r} {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn default_add_rms_norm_adds_in_place_then_norms() {
+        let be = cpu::CpuBackend::new();
+        let (xs, ys) = (ramp(2 * 8, 0.3), ramp(2 * 8, 1.1));
+        let w = be.vector(&ramp(4, 0.5)).unwrap();
+        let mut x = be.from_host(2, 8, &xs);
+        let normed = be.add_rms_norm(
+            &mut x,
+            &be.from_host(2, 8, &ys),
+            &w,
+            1e-6,
+            NormScale::OnePlus,
+            4,
+        );
+        let sum: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| a + b).collect();
+        assert_eq!(x.data, sum);
+        for (gi, group) in sum.chunks_exact(4).enumerate() {
+            let inv = 1.0 / (group.iter().map(|v| v * v).sum::<f32>() / 4.0 + 1e-6).sqrt();
+            for (i, v) in group.iter().enumerate() {
+                let want = v * inv * (1.0 + w[i]);
+                assert!((normed.data[gi * 4 + i] - want).abs() <= 1e-5, "{gi} {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn default_packed_delta_rule_matches_separate_inputs() {
+        let be = cpu::CpuBackend::new();
+        let shape = DeltaRuleShape {
+            num_k_heads: 1,
+            num_v_heads: 2,
+            k_head_dim: 4,
+            v_head_dim: 3,
+        };
+        let (n, kd, vd) = (3, 4, 6);
+        let qkv = ramp(n * (2 * kd + vd), 0.41);
+        let cols = |c: std::ops::Range<usize>| {
+            let piece: Vec<f32> = qkv
+                .chunks_exact(2 * kd + vd)
+                .flat_map(|row| row[c.clone()].to_vec())
+                .collect();
+            be.from_host(n, c.len(), &piece)
+        };
+        let g = be.from_host(
+            n,
+            2,
+            &ramp(n * 2, 0.2)
+                .iter()
+                .map(|v| -v.abs())
+                .collect::<Vec<_>>(),
+        );
+        let beta = be.from_host(
+            n,
+            2,
+            &ramp(n * 2, 0.6).iter().map(|v| v.abs()).collect::<Vec<_>>(),
+        );
+        let mut s1 = be.from_host(2 * 4, 3, &ramp(24, 0.13));
+        let mut s2 = s1.clone();
+        let mode = DeltaRuleMode::Recurrent;
+        let packed = be.gated_delta_rule_packed(
+            &be.from_host(n, 2 * kd + vd, &qkv),
+            &g,
+            &beta,
+            &mut s1,
+            shape,
+            mode,
+        );
+        let separate = be.gated_delta_rule(
+            &cols(0..kd),
+            &cols(kd..2 * kd),
+            &cols(2 * kd..2 * kd + vd),
+            &g,
+            &beta,
+            &mut s2,
+            shape,
+            mode,
+        );
+        assert_eq!(packed.data, separate.data);
+        assert_eq!(s1.data, s2.data);
+    }
 
     #[test]
     fn default_quant_matrix_multiplies_like_the_dequantized_matrix() {

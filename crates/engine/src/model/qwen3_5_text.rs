@@ -267,9 +267,13 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
 
         // 1. token embeddings
         let mut x = b.embedding(&self.embed_tokens, ids);
-        // 2. decoder layers
+        // 2. decoder layers; each residual add is fused with the norm that reads the sum
+        //    (the next block's input norm), the last one stands alone
+        let mut h = match self.layers.first() {
+            Some(first) => b.rms_norm(&x, &first.input_layernorm, eps, NormScale::OnePlus, hsz),
+            None => x.clone(),
+        };
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = b.rms_norm(&x, &layer.input_layernorm, eps, NormScale::OnePlus, hsz);
             let mixed = match &layer.mixer {
                 Mixer::Linear(gdn) => {
                     let mut layer_states: Vec<&mut LinearState<B>> = states
@@ -296,16 +300,28 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                     attn.forward(b, &h, positions, &self.inv_freq, spans, &mut layer_states)
                 }
             };
-            b.add_assign(&mut x, &mixed);
-            let h = b.rms_norm(
-                &x,
+            let h_mlp = b.add_rms_norm(
+                &mut x,
+                &mixed,
                 &layer.post_attention_layernorm,
                 eps,
                 NormScale::OnePlus,
                 hsz,
             );
-            let m = layer.mlp.forward(b, &h);
-            b.add_assign(&mut x, &m);
+            let m = layer.mlp.forward(b, &h_mlp);
+            match self.layers.get(li + 1) {
+                Some(next) => {
+                    h = b.add_rms_norm(
+                        &mut x,
+                        &m,
+                        &next.input_layernorm,
+                        eps,
+                        NormScale::OnePlus,
+                        hsz,
+                    )
+                }
+                None => b.add_assign(&mut x, &m),
+            }
         }
         // 3. final norm and lm_head on the rows that need logits
         let wanted = layout.logit_rows(b, &x, batch);

@@ -99,6 +99,8 @@ pub fn sources() -> Vec<KernelSource> {
                 "silu_mul",
                 "sigmoid_gate",
                 "copy_cols",
+                "split_cols4",
+                "silu_mul_halves",
                 "delta_rule_gates",
                 "f32_to_bf16_kernel",
                 "f32_to_f16_kernel",
@@ -106,6 +108,7 @@ pub fn sources() -> Vec<KernelSource> {
                 "rope",
                 "causal_conv1d_silu",
                 "causal_conv1d_state",
+                "causal_conv1d_silu_update",
             ]
             .map(String::from)
             .to_vec(),
@@ -113,7 +116,7 @@ pub fn sources() -> Vec<KernelSource> {
         (
             "norm",
             include_str!("../../../../../kernels/norm.cu"),
-            vec!["rms_norm".into()],
+            vec!["rms_norm".into(), "add_rms_norm".into()],
         ),
         (
             "matvec",

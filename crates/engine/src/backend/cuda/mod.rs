@@ -134,6 +134,9 @@ struct Inner {
     info: DeviceInfo,
     /// Device copy of the last RoPE frequency table, reused while it is unchanged.
     inv_freq: Mutex<Option<(Vec<f32>, DevBuf)>>,
+    /// Device copy of the last RoPE positions: every rope call of a step (q and k of each
+    /// attention layer) rotates the same rows, so one upload per step serves them all.
+    positions: Mutex<Option<(Vec<i32>, DevBuf)>>,
     /// Freed activation buffers by exact size, reused before asking the driver: a decode step
     /// allocates the same shapes every time, and a driver call per op would cost more than
     /// most of the kernels. Reuse is safe because all work is on one stream.
@@ -546,6 +549,7 @@ impl CudaBackend {
                 exact,
                 info,
                 inv_freq: Mutex::new(None),
+                positions: Mutex::new(None),
                 pool: Mutex::new(HashMap::new()),
                 pooled: AtomicU64::new(0),
                 launches: AtomicU64::new(0),
@@ -951,6 +955,54 @@ impl CudaBackend {
         let ptr = buf.ptr;
         *cached = Some((inv_freq.to_vec(), buf));
         ptr
+    }
+
+    /// The device copy of `positions`, uploaded only when they differ from the last call's.
+    fn positions_device(&self, positions: &[i32]) -> u64 {
+        let mut cached = self.inner.positions.lock().expect("positions poisoned");
+        if let Some((p, buf)) = cached.as_ref() {
+            if p.as_slice() == positions {
+                return buf.ptr;
+            }
+        }
+        let buf = self.upload(positions, "positions");
+        let ptr = buf.ptr;
+        *cached = Some((positions.to_vec(), buf));
+        ptr
+    }
+
+    /// The recurrent delta rule over `n` tokens whose q, k and v rows are `strides` floats apart
+    /// (separate tensors, or the packed conv output read in place).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_rule_recurrent(
+        &self,
+        (q, k, v): (u64, u64, u64),
+        strides: (usize, usize, usize),
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaTensor,
+        s: DeltaRuleShape,
+        n: usize,
+        out: &CudaTensor,
+    ) {
+        assert!(
+            s.k_head_dim <= 128,
+            "gated delta rule: key head dim {} is above the kernel's 128",
+            s.k_head_dim
+        );
+        assert_eq!(state.len(), s.num_v_heads * s.k_head_dim * s.v_head_dim);
+        assert_eq!(g.len(), n * s.num_v_heads, "gated delta rule: g shape");
+        assert_eq!(
+            beta.len(),
+            n * s.num_v_heads,
+            "gated delta rule: beta shape"
+        );
+        if n > 0 {
+            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;
+                q, k, v, g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
+                s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32,
+                strides.0 as i32, strides.1 as i32, strides.2 as i32);
+        }
     }
 
     /// The int8 (dp4a) decode matvec for one input row on the fast path, where the format and
@@ -1452,6 +1504,38 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn split_cols<const N: usize>(&self, x: &CudaTensor, widths: [usize; N]) -> [CudaTensor; N] {
+        let total: usize = widths.iter().sum();
+        assert!(
+            total <= x.cols,
+            "split_cols: pieces of {widths:?} columns from a tensor with {} columns",
+            x.cols
+        );
+        let outs = widths.map(|w| self.alloc_act(x.rows, w, x.rows));
+        // Four pieces a launch (split_cols4); piece bounds b0 ≤ … ≤ b4, unused ones empty.
+        let mut start = 0;
+        for (pieces, ws) in outs.chunks(4).zip(widths.chunks(4)) {
+            let mut bounds = [start; 5];
+            let mut dst = [0u64; 4];
+            for (j, (p, &w)) in pieces.iter().zip(ws).enumerate() {
+                dst[j] = p.ptr();
+                bounds[j + 1] = bounds[j] + w;
+            }
+            let end = bounds[pieces.len()];
+            for b in &mut bounds[pieces.len() + 1..] {
+                *b = end;
+            }
+            let n = x.rows * (end - start);
+            if n > 0 {
+                launch!(self, "split_cols4", grid_1d(n), (256, 1, 1), 0;
+                    x.ptr(), x.rows as u64, x.cols as i32, dst[0], dst[1], dst[2], dst[3],
+                    bounds[0] as i32, bounds[1] as i32, bounds[2] as i32, bounds[3] as i32, bounds[4] as i32);
+            }
+            start = end;
+        }
+        outs
+    }
+
     fn cat_rows(&self, parts: &[CudaTensor]) -> CudaTensor {
         let cols = parts.first().map_or(0, |p| p.cols);
         let rows = parts.iter().map(|p| p.rows).sum();
@@ -1623,6 +1707,59 @@ impl Backend for CudaBackend {
         self.elementwise_out("silu_mul", gate, up)
     }
 
+    fn silu_mul_halves(&self, gate_up: &CudaTensor) -> CudaTensor {
+        assert!(
+            gate_up.cols.is_multiple_of(2),
+            "silu_mul_halves: {} columns do not split into gate and up halves",
+            gate_up.cols
+        );
+        let inter = gate_up.cols / 2;
+        let out = self.alloc_act(gate_up.rows, inter, gate_up.rows);
+        let n = out.len();
+        if n > 0 {
+            launch!(self, "silu_mul_halves", grid_1d(n), (256, 1, 1), 0;
+                gate_up.ptr(), out.ptr(), gate_up.rows as u64, inter as i32);
+        }
+        out
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaVector,
+        eps: f32,
+        scale: NormScale,
+        group: usize,
+    ) -> CudaTensor {
+        assert_eq!(
+            x.len(),
+            y.len(),
+            "add_rms_norm: {} and {} values",
+            x.len(),
+            y.len()
+        );
+        assert_eq!(
+            w.len, group,
+            "add_rms_norm: weight has {} values for groups of {group}",
+            w.len
+        );
+        assert_eq!(
+            x.cols % group,
+            0,
+            "add_rms_norm: {} columns are not a multiple of {group}",
+            x.cols
+        );
+        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let groups = x.len() / group;
+        if groups > 0 {
+            let threads = ceil_div(group, 32).clamp(1, 8) * 32;
+            launch!(self, "add_rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32);
+        }
+        out
+    }
+
     fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> CudaTensor {
         self.elementwise_out("sigmoid_gate", x, gate)
     }
@@ -1721,10 +1858,10 @@ impl Backend for CudaBackend {
             return;
         }
         let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let dev_pos = self.upload(&pos, "positions");
+        let dev_pos = self.positions_device(&pos);
         let freq = self.inv_freq_device(inv_freq);
         launch!(self, "rope", grid_1d(n), (256, 1, 1), 0;
-            x.ptr(), dev_pos.ptr, freq, x.rows as u64, x.cols as i32, head_dim as i32, rotary_dim as i32);
+            x.ptr(), dev_pos, freq, x.rows as u64, x.cols as i32, head_dim as i32, rotary_dim as i32);
     }
 
     fn attention(
@@ -1774,7 +1911,12 @@ impl Backend for CudaBackend {
         assert!(taps >= 1, "causal conv: the weight has no taps");
         assert_eq!(state.len(), (taps - 1) * channels);
         let out = self.alloc_act(x.rows, channels, x.rows);
-        if x.rows > 0 && channels > 0 {
+        if x.rows > 0 && channels > 0 && x.rows <= MATVEC_MAX_ROWS {
+            // Decode: outputs and state shift in one launch, a thread per channel.
+            launch!(self, "causal_conv1d_silu_update", (ceil_div(channels, 128) as u32, 1, 1), (128, 1, 1), 0;
+                x.ptr(), state.ptr(), weight.buf.ptr, weight.dense_dtype("causal conv") as i32, out.ptr(), x.rows as i32,
+                channels as i32, taps as i32);
+        } else if x.rows > 0 && channels > 0 {
             launch!(self, "causal_conv1d_silu", grid_1d(x.rows * channels), (256, 1, 1), 0;
                 x.ptr(), state.ptr(), weight.buf.ptr, weight.dense_dtype("causal conv") as i32, out.ptr(), x.rows as i32,
                 channels as i32, taps as i32);
@@ -1831,11 +1973,58 @@ impl Backend for CudaBackend {
         let out = self.alloc_act(n, v.cols, n);
         if n > 1 && mode == DeltaRuleMode::Chunked && s.k_head_dim.is_multiple_of(4) {
             self.gated_delta_rule_chunked(q, k, v, g, beta, state, s, &out);
-        } else if n > 0 {
-            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;
-                q.ptr(), k.ptr(), v.ptr(), g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
-                s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32);
+        } else {
+            self.delta_rule_recurrent(
+                (q.ptr(), k.ptr(), v.ptr()),
+                (q.cols, k.cols, v.cols),
+                g,
+                beta,
+                state,
+                s,
+                n,
+                &out,
+            );
         }
+        out
+    }
+
+    fn gated_delta_rule_packed(
+        &self,
+        qkv: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaTensor,
+        shape: DeltaRuleShape,
+        mode: DeltaRuleMode,
+    ) -> CudaTensor {
+        let s = shape;
+        let n = qkv.rows;
+        let kd = s.num_k_heads * s.k_head_dim;
+        let vd = s.num_v_heads * s.v_head_dim;
+        assert_eq!(
+            qkv.cols,
+            2 * kd + vd,
+            "gated delta rule: packed q ‖ k ‖ v has {} columns, expected {}",
+            qkv.cols,
+            2 * kd + vd
+        );
+        if n > 1 && mode == DeltaRuleMode::Chunked && s.k_head_dim.is_multiple_of(4) {
+            // The chunked kernels take separate tensors; prefill splits once.
+            let [q, k, v] = self.split_cols(qkv, [kd, kd, vd]);
+            return self.gated_delta_rule(&q, &k, &v, g, beta, state, s, mode);
+        }
+        let out = self.alloc_act(n, vd, n);
+        let base = qkv.ptr();
+        self.delta_rule_recurrent(
+            (base, base + (kd * 4) as u64, base + (2 * kd * 4) as u64),
+            (qkv.cols, qkv.cols, qkv.cols),
+            g,
+            beta,
+            state,
+            s,
+            n,
+            &out,
+        );
         out
     }
 }

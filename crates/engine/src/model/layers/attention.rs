@@ -6,7 +6,7 @@
 //! Each query then attends to its top `budget / compress_ratio` blocks plus the tail, which is
 //! exactly dense attention while the sequence fits the budget.
 
-use super::{tensor, vector, Span};
+use super::{join_rows, rows_of, tensor, vector, Span};
 use crate::backend::{AttentionShape, Backend, NormScale, QsaShape};
 use crate::checkpoint::Checkpoint;
 use crate::config::{QsaConfig, TextConfig};
@@ -216,9 +216,9 @@ impl<B: Backend> Attention<B> {
         let qd = s.num_heads * s.head_dim;
         // 1. projections, per-head q/k norms, rotary embedding
         let q_and_gate = b.linear(x, &self.q_proj);
-        let gate = b.cols(&q_and_gate, qd..2 * qd);
+        let [q_raw, gate] = b.split_cols(&q_and_gate, [qd, qd]);
         let mut q = b.rms_norm(
-            &b.cols(&q_and_gate, 0..qd),
+            &q_raw,
             &self.q_norm,
             self.eps,
             NormScale::OnePlus,
@@ -238,8 +238,9 @@ impl<B: Backend> Attention<B> {
         let index = self.indexer.as_ref().map(|ix| {
             let iq = ix.shape.index_heads * ix.shape.index_head_dim;
             let qk = b.linear(x, &ix.qk_proj);
+            let [q_index_raw, raw_k] = b.split_cols(&qk, [iq, ix.shape.index_head_dim]);
             let mut q_index = b.rms_norm(
-                &b.cols(&qk, 0..iq),
+                &q_index_raw,
                 &ix.q_norm,
                 self.eps,
                 NormScale::OnePlus,
@@ -252,23 +253,23 @@ impl<B: Backend> Attention<B> {
                 self.rotary_dim,
                 inv_freq,
             );
-            (q_index, b.cols(&qk, iq..iq + ix.shape.index_head_dim))
+            (q_index, raw_k)
         });
         // 2. per sequence: append to the caches, attend
         let mut outs = Vec::with_capacity(spans.len());
         for (span, state) in spans.iter().zip(states.iter_mut()) {
-            b.append_rows(&mut state.k, &b.rows(&k, span.rows()));
-            b.append_rows(&mut state.v, &b.rows(&v, span.rows()));
-            let q_span = b.rows(&q, span.rows());
+            b.append_rows(&mut state.k, &rows_of(b, &k, span.rows()));
+            b.append_rows(&mut state.v, &rows_of(b, &v, span.rows()));
+            let q_span = rows_of(b, &q, span.rows());
             match (&self.indexer, &index, &mut state.index) {
                 (Some(ix), Some((q_index, raw_k)), Some((raw_cache, blocks))) => {
-                    b.append_rows(raw_cache, &b.rows(raw_k, span.rows()));
+                    b.append_rows(raw_cache, &rows_of(b, raw_k, span.rows()));
                     self.extend_blocks(b, ix, raw_cache, blocks, span.past + span.len, inv_freq);
                     outs.push(b.qsa_attention(
                         &q_span,
                         &state.k,
                         &state.v,
-                        &b.rows(q_index, span.rows()),
+                        &rows_of(b, q_index, span.rows()),
                         blocks,
                         span.past,
                         s,
@@ -282,7 +283,7 @@ impl<B: Backend> Attention<B> {
             }
         }
         // 3. sigmoid output gate, output projection
-        let attn = b.sigmoid_gate(&b.cat_rows(&outs), &gate);
+        let attn = b.sigmoid_gate(&join_rows(b, outs), &gate);
         b.linear(&attn, &self.o_proj)
     }
 
@@ -304,15 +305,9 @@ impl<B: Backend> Attention<B> {
             ix.shape.index_head_dim,
         );
         let qk = b.linear(x, &ix.qk_proj);
-        let mut q_index = b.rms_norm(
-            &b.cols(&qk, 0..iq),
-            &ix.q_norm,
-            self.eps,
-            NormScale::OnePlus,
-            id,
-        );
+        let [q_index_raw, raw] = b.split_cols(&qk, [iq, id]);
+        let mut q_index = b.rms_norm(&q_index_raw, &ix.q_norm, self.eps, NormScale::OnePlus, id);
         b.rope(&mut q_index, &positions, id, self.rotary_dim, inv_freq);
-        let raw = b.cols(&qk, iq..iq + id);
         let mut blocks = b.zeros(0, id);
         self.extend_blocks(b, ix, &raw, &mut blocks, n, inv_freq);
         let (q_host, k_host) = (b.to_host(&q_index), b.to_host(&blocks));

@@ -1,6 +1,6 @@
 //! Gated DeltaNet (linear attention with a recurrent state).
 
-use super::{tensor, vector, Span};
+use super::{join_rows, rows_of, tensor, vector, Span};
 use crate::backend::{Backend, DeltaRuleMode, DeltaRuleShape};
 use crate::checkpoint::Checkpoint;
 use crate::config::{GateActivation, TextConfig};
@@ -106,46 +106,38 @@ impl<B: Backend> GatedDeltaNet<B> {
         states: &mut [&mut LinearState<B>],
     ) -> B::Act {
         let s = self.shape;
-        let kd = s.num_k_heads * s.k_head_dim;
         let vd = s.num_v_heads * s.v_head_dim;
         let nv = s.num_v_heads;
         // 1. projections of the whole batch
         let proj = b.linear(x, &self.in_proj);
-        let mixed_qkv = b.cols(&proj, 0..self.conv_dim);
-        let z = b.cols(&proj, self.conv_dim..self.conv_dim + vd);
-        let beta_in = b.cols(&proj, self.conv_dim + vd..self.conv_dim + vd + nv);
-        let a_in = b.cols(&proj, self.conv_dim + vd + nv..self.conv_dim + vd + 2 * nv);
+        let [mixed_qkv, z, beta_in, a_in] = b.split_cols(&proj, [self.conv_dim, vd, nv, nv]);
         let (g, beta) = b.delta_rule_gates(&a_in, &beta_in, &self.a_log, &self.dt_bias);
-        // 2. per sequence: causal conv, then the gated delta rule, each carrying its state
+        // 2. per sequence: causal conv, then the gated delta rule on its packed `q ‖ k ‖ v`
+        //    output, each carrying its state
         let mut outs = Vec::with_capacity(spans.len());
         for (span, state) in spans.iter().zip(states.iter_mut()) {
             let rows = span.rows();
             let qkv = b.causal_conv1d_silu(
-                &b.rows(&mixed_qkv, rows.clone()),
+                &rows_of(b, &mixed_qkv, rows.clone()),
                 &mut state.conv,
                 &self.conv1d,
             );
-            let q = b.cols(&qkv, 0..kd);
-            let k = b.cols(&qkv, kd..2 * kd);
-            let v = b.cols(&qkv, 2 * kd..2 * kd + vd);
             let mode = if span.len == 1 {
                 DeltaRuleMode::Recurrent
             } else {
                 DeltaRuleMode::Chunked
             };
-            outs.push(b.gated_delta_rule(
-                &q,
-                &k,
-                &v,
-                &b.rows(&g, rows.clone()),
-                &b.rows(&beta, rows),
+            outs.push(b.gated_delta_rule_packed(
+                &qkv,
+                &rows_of(b, &g, rows.clone()),
+                &rows_of(b, &beta, rows),
                 &mut state.recurrent,
                 s,
                 mode,
             ));
         }
         // 3. gated RMSNorm per value head (`norm(x) · w · act(z)`), output projection
-        let core = b.cat_rows(&outs);
+        let core = join_rows(b, outs);
         let normed = match self.gate {
             GateActivation::Silu => b.rms_norm_gated(&core, &z, &self.norm, self.eps, s.v_head_dim),
             GateActivation::Sigmoid => b.sigmoid_gate(

@@ -10,7 +10,6 @@ pub struct Mlp<B: Backend> {
     /// Fused `gate_proj ‖ up_proj`.
     gate_up: B::Matrix,
     down: B::Matrix,
-    intermediate: usize,
 }
 
 impl<B: Backend> Mlp<B> {
@@ -30,16 +29,11 @@ impl<B: Backend> Mlp<B> {
                 &[gate, up],
             )?)?,
             down: b.matrix(&tensor(ck, &format!("{p}down_proj.weight"), &[h, i])?)?,
-            intermediate: i,
         })
     }
 
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
         let gu = b.linear(x, &self.gate_up);
-        let act = b.silu_mul(
-            &b.cols(&gu, 0..self.intermediate),
-            &b.cols(&gu, self.intermediate..2 * self.intermediate),
-        );
-        b.linear(&act, &self.down)
+        b.linear(&b.silu_mul_halves(&gu), &self.down)
     }
 }

@@ -17,6 +17,7 @@ use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::tensor::HostTensor;
 use anyhow::{bail, Context, Result};
+use std::borrow::Cow;
 
 /// Where the text model's tensors live: `model.` (a causal-LM export) or
 /// `model.language_model.` (the published multimodal checkpoints).
@@ -75,6 +76,28 @@ pub struct Span {
 impl Span {
     pub fn rows(&self) -> std::ops::Range<usize> {
         self.start..self.start + self.len
+    }
+}
+
+/// Rows `range` of `x`: borrowed when they are all of its rows (a batch of one sequence, as in
+/// batch-1 decode), else copied.
+pub fn rows_of<'a, B: Backend>(
+    b: &B,
+    x: &'a B::Act,
+    range: std::ops::Range<usize>,
+) -> Cow<'a, B::Act> {
+    if range.start == 0 && range.end == b.shape(x).0 {
+        Cow::Borrowed(x)
+    } else {
+        Cow::Owned(b.rows(x, range))
+    }
+}
+
+/// The per-sequence outputs as one batch: the one output itself when there is one sequence.
+pub fn join_rows<B: Backend>(b: &B, mut parts: Vec<B::Act>) -> B::Act {
+    match parts.len() {
+        1 => parts.pop().expect("one part"),
+        _ => b.cat_rows(&parts),
     }
 }
 
