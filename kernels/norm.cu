@@ -35,3 +35,34 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
                                         int one_plus) {
     rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus);
 }
+
+// Per-head RMSNorm then rotate-half RoPE on the first rotary_dim dims of the head (as the
+// `rope` kernel), one block per (row, head); the partner of each rotated dim is normed again
+// from x, so no value has to wait for another thread's.
+extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* out, int head_dim, float eps,
+                                         int one_plus, const int* positions, const float* inv_freq, int heads,
+                                         int rotary_dim) {
+    __shared__ float scratch[32];
+    const u64 base = (u64)blockIdx.x * head_dim;
+    const int r = blockIdx.x / heads;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        const float v = x[base + i];
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    const int half = rotary_dim / 2;
+    const float pos = (float)positions[r];
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float o = x[base + i] * inv * (one_plus ? 1.0f + w[i] : w[i]);
+        if (i < 2 * half) {
+            const int j = i < half ? i + half : i - half;
+            const float partner = x[base + j] * inv * (one_plus ? 1.0f + w[j] : w[j]);
+            const float a = inv_freq[i < half ? i : j] * pos;
+            const float c = cosf(a), s = sinf(a);
+            o = i < half ? o * c - partner * s : o * c + partner * s;
+        }
+        out[base + i] = o;
+    }
+}

@@ -556,8 +556,9 @@ fn gated_delta_rule_matches_cpu_in_both_modes() {
     }
 }
 
-/// The fused decode ops (split_cols, silu_mul_halves, add_rms_norm, the packed delta rule) and
-/// the cached RoPE positions against the CPU backend, whose defaults compose the plain ops.
+/// The fused decode ops (split_cols, silu_mul_halves, add_rms_norm, the packed delta rule,
+/// rms_norm_rope) and the cached RoPE positions against the CPU backend, whose defaults
+/// compose the plain ops.
 #[test]
 fn fused_decode_ops_match_cpu() {
     let Some(g) = gpu() else { return };
@@ -662,6 +663,29 @@ fn fused_decode_ops_match_cpu() {
             c.rope(&mut xc, positions, d, rot, &inv_freq);
             g.rope(&mut xg, positions, d, rot, &inv_freq);
             assert_close(&g.to_host(&xg), &xc.data, &format!("rope at {positions:?}"));
+        }
+    }
+    // rms_norm_rope: the 27B's q (24 heads of 256, rotary 64) and k (4 heads), a head with
+    // no rotary part past its first 16 dims, decode and prefill rows, both scales.
+    let inv_freq: Vec<f32> = (0..32)
+        .map(|i| (1.0 / 1e7f64.powf((2 * i) as f64 / 64.0)) as f32)
+        .collect();
+    for (heads, d, rot, positions) in [
+        (24, 256, 64, &[8191usize][..]),
+        (4, 256, 64, &[0, 1, 300, 8192][..]),
+        (3, 40, 16, &[7, 9][..]),
+    ] {
+        let x = r.vec(positions.len() * heads * d, 3.0);
+        let w = r.vec(d, 0.5);
+        let (xc, xg) = pair(&g, positions.len(), heads * d, &x);
+        let wg = g.vector(&w).unwrap();
+        for scale in [NormScale::OnePlus, NormScale::Plain] {
+            assert_close(
+                &g.to_host(&g.rms_norm_rope(&xg, &wg, 1e-6, scale, positions, d, rot, &inv_freq)),
+                &c.rms_norm_rope(&xc, &w, 1e-6, scale, positions, d, rot, &inv_freq)
+                    .data,
+                &format!("rms_norm_rope {scale:?} {heads}x{d}/{rot} at {positions:?}"),
+            );
         }
     }
 }

@@ -236,6 +236,25 @@ pub trait Backend: Send + Sync + 'static {
         inv_freq: &[f32],
     );
 
+    /// Per-head RMSNorm then RoPE (gated attention's q/k norms): [`Backend::rms_norm`] over
+    /// groups of `head_dim`, rotated as [`Backend::rope`] does. One pass instead of two.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_rope(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        scale: NormScale,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        inv_freq: &[f32],
+    ) -> Self::Act {
+        let mut y = self.rms_norm(x, w, eps, scale, head_dim);
+        self.rope(&mut y, positions, head_dim, rotary_dim, inv_freq);
+        y
+    }
+
     // --- per-sequence ops ---
     /// Causal softmax attention of one sequence's new queries `q` `[n, heads·d]` over its whole
     /// cache `k`, `v` `[past + n, kv_heads·d]`; query row `i` sits at position `past + i`.
@@ -563,6 +582,50 @@ mod tests {
             for (i, v) in group.iter().enumerate() {
                 let want = v * inv * (1.0 + w[i]);
                 assert!((normed.data[gi * 4 + i] - want).abs() <= 1e-5, "{gi} {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn default_rms_norm_rope_norms_each_head_then_rotates() {
+        let be = cpu::CpuBackend::new();
+        let (head_dim, rot, heads) = (8, 4, 2);
+        let data = ramp(2 * heads * head_dim, 0.37);
+        let w = ramp(head_dim, 0.8);
+        let inv_freq = [1.0f32, 0.1];
+        let positions = [3usize, 11];
+        let x = be.from_host(2, heads * head_dim, &data);
+        let y = be.rms_norm_rope(
+            &x,
+            &w,
+            1e-6,
+            NormScale::OnePlus,
+            &positions,
+            head_dim,
+            rot,
+            &inv_freq,
+        );
+        for (gi, group) in data.chunks_exact(head_dim).enumerate() {
+            let inv = 1.0 / (group.iter().map(|v| v * v).sum::<f32>() / 8.0 + 1e-6).sqrt();
+            let n: Vec<f32> = (0..head_dim)
+                .map(|i| group[i] * inv * (1.0 + w[i]))
+                .collect();
+            let pos = positions[gi / heads] as f32;
+            for i in 0..head_dim {
+                let want = if i < rot / 2 {
+                    let a = inv_freq[i] * pos;
+                    n[i] * a.cos() - n[i + rot / 2] * a.sin()
+                } else if i < rot {
+                    let a = inv_freq[i - rot / 2] * pos;
+                    n[i] * a.cos() + n[i - rot / 2] * a.sin()
+                } else {
+                    n[i]
+                };
+                let got = y.data[gi * head_dim + i];
+                assert!(
+                    (got - want).abs() <= 1e-5,
+                    "group {gi} dim {i}: {got} vs {want}"
+                );
             }
         }
     }

@@ -116,7 +116,9 @@ pub fn sources() -> Vec<KernelSource> {
         (
             "norm",
             include_str!("../../../../../kernels/norm.cu"),
-            vec!["rms_norm".into(), "add_rms_norm".into()],
+            ["rms_norm", "add_rms_norm", "rms_norm_rope"]
+                .map(String::from)
+                .to_vec(),
         ),
         (
             "matvec",

@@ -1864,6 +1864,51 @@ impl Backend for CudaBackend {
             x.ptr(), dev_pos, freq, x.rows as u64, x.cols as i32, head_dim as i32, rotary_dim as i32);
     }
 
+    fn rms_norm_rope(
+        &self,
+        x: &CudaTensor,
+        w: &CudaVector,
+        eps: f32,
+        scale: NormScale,
+        positions: &[usize],
+        head_dim: usize,
+        rotary_dim: usize,
+        inv_freq: &[f32],
+    ) -> CudaTensor {
+        assert_eq!(
+            w.len, head_dim,
+            "rms_norm_rope: weight has {} values for heads of {head_dim}",
+            w.len
+        );
+        assert_eq!(
+            x.cols % head_dim,
+            0,
+            "rms_norm_rope: {} columns are not a multiple of {head_dim}",
+            x.cols
+        );
+        assert_eq!(
+            positions.len(),
+            x.rows,
+            "rms_norm_rope: {} positions for {} rows",
+            positions.len(),
+            x.rows
+        );
+        assert!(rotary_dim <= head_dim && inv_freq.len() >= rotary_dim / 2);
+        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let groups = x.len() / head_dim;
+        if groups == 0 {
+            return out;
+        }
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let dev_pos = self.positions_device(&pos);
+        let freq = self.inv_freq_device(inv_freq);
+        let threads = ceil_div(head_dim, 32).clamp(1, 8) * 32;
+        launch!(self, "rms_norm_rope", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+            x.ptr(), w.buf.ptr, out.ptr(), head_dim as i32, eps, (scale == NormScale::OnePlus) as i32,
+            dev_pos, freq, (x.cols / head_dim) as i32, rotary_dim as i32);
+        out
+    }
+
     fn attention(
         &self,
         q: &CudaTensor,

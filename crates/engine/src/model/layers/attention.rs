@@ -10,6 +10,7 @@ use super::{join_rows, rows_of, tensor, vector, Span};
 use crate::backend::{AttentionShape, Backend, NormScale, QsaShape};
 use crate::checkpoint::Checkpoint;
 use crate::config::{QsaConfig, TextConfig};
+use crate::tensor::HostTensor;
 use anyhow::{bail, Result};
 
 /// One sequence's attention state.
@@ -124,10 +125,9 @@ pub struct QsaIndexer<B: Backend> {
 }
 
 pub struct Attention<B: Backend> {
-    /// `q_proj` with rows regrouped to `[queries; gates]`.
-    q_proj: B::Matrix,
-    k_proj: B::Matrix,
-    v_proj: B::Matrix,
+    /// `q_proj` with rows regrouped to `[queries; gates]`, then `k_proj` and `v_proj`: one
+    /// matrix, since all three read the same input.
+    qkv_proj: B::Matrix,
     o_proj: B::Matrix,
     q_norm: B::Vector,
     k_norm: B::Vector,
@@ -184,10 +184,13 @@ impl<B: Backend> Attention<B> {
                 })
             }
         };
+        let qkv = [
+            q.gather_rows(&regrouped)?,
+            tensor(ck, &format!("{p}k_proj.weight"), &[nkv * d, h])?,
+            tensor(ck, &format!("{p}v_proj.weight"), &[nkv * d, h])?,
+        ];
         Ok(Attention {
-            q_proj: b.matrix(&q.gather_rows(&regrouped)?)?,
-            k_proj: b.matrix(&tensor(ck, &format!("{p}k_proj.weight"), &[nkv * d, h])?)?,
-            v_proj: b.matrix(&tensor(ck, &format!("{p}v_proj.weight"), &[nkv * d, h])?)?,
+            qkv_proj: b.matrix(&HostTensor::concat_rows(&format!("{p}qkv_proj"), &qkv)?)?,
             o_proj: b.matrix(&tensor(ck, &format!("{p}o_proj.weight"), &[h, nh * d])?)?,
             q_norm: vector(b, ck, &format!("{p}q_norm.weight"), d)?,
             k_norm: vector(b, ck, &format!("{p}k_norm.weight"), d)?,
@@ -213,46 +216,30 @@ impl<B: Backend> Attention<B> {
         states: &mut [&mut AttentionState<B>],
     ) -> B::Act {
         let s = self.shape;
-        let qd = s.num_heads * s.head_dim;
-        // 1. projections, per-head q/k norms, rotary embedding
-        let q_and_gate = b.linear(x, &self.q_proj);
-        let [q_raw, gate] = b.split_cols(&q_and_gate, [qd, qd]);
-        let mut q = b.rms_norm(
-            &q_raw,
-            &self.q_norm,
-            self.eps,
-            NormScale::OnePlus,
-            s.head_dim,
-        );
-        let mut k = b.rms_norm(
-            &b.linear(x, &self.k_proj),
-            &self.k_norm,
-            self.eps,
-            NormScale::OnePlus,
-            s.head_dim,
-        );
-        let v = b.linear(x, &self.v_proj);
-        b.rope(&mut q, positions, s.head_dim, self.rotary_dim, inv_freq);
-        b.rope(&mut k, positions, s.head_dim, self.rotary_dim, inv_freq);
+        let (qd, kvd) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+        // 1. projections, per-head q/k norms with the rotary embedding
+        let [q_raw, gate, k_raw, v] =
+            b.split_cols(&b.linear(x, &self.qkv_proj), [qd, qd, kvd, kvd]);
+        let norm_rope = |raw: &B::Act, w: &B::Vector, head_dim: usize| {
+            b.rms_norm_rope(
+                raw,
+                w,
+                self.eps,
+                NormScale::OnePlus,
+                positions,
+                head_dim,
+                self.rotary_dim,
+                inv_freq,
+            )
+        };
+        let q = norm_rope(&q_raw, &self.q_norm, s.head_dim);
+        let k = norm_rope(&k_raw, &self.k_norm, s.head_dim);
         // QSA: indexer queries (normed, rotated) and raw keys of the whole batch
         let index = self.indexer.as_ref().map(|ix| {
             let iq = ix.shape.index_heads * ix.shape.index_head_dim;
             let qk = b.linear(x, &ix.qk_proj);
             let [q_index_raw, raw_k] = b.split_cols(&qk, [iq, ix.shape.index_head_dim]);
-            let mut q_index = b.rms_norm(
-                &q_index_raw,
-                &ix.q_norm,
-                self.eps,
-                NormScale::OnePlus,
-                ix.shape.index_head_dim,
-            );
-            b.rope(
-                &mut q_index,
-                positions,
-                ix.shape.index_head_dim,
-                self.rotary_dim,
-                inv_freq,
-            );
+            let q_index = norm_rope(&q_index_raw, &ix.q_norm, ix.shape.index_head_dim);
             (q_index, raw_k)
         });
         // 2. per sequence: append to the caches, attend
@@ -306,8 +293,16 @@ impl<B: Backend> Attention<B> {
         );
         let qk = b.linear(x, &ix.qk_proj);
         let [q_index_raw, raw] = b.split_cols(&qk, [iq, id]);
-        let mut q_index = b.rms_norm(&q_index_raw, &ix.q_norm, self.eps, NormScale::OnePlus, id);
-        b.rope(&mut q_index, &positions, id, self.rotary_dim, inv_freq);
+        let q_index = b.rms_norm_rope(
+            &q_index_raw,
+            &ix.q_norm,
+            self.eps,
+            NormScale::OnePlus,
+            &positions,
+            id,
+            self.rotary_dim,
+            inv_freq,
+        );
         let mut blocks = b.zeros(0, id);
         self.extend_blocks(b, ix, &raw, &mut blocks, n, inv_freq);
         let (q_host, k_host) = (b.to_host(&q_index), b.to_host(&blocks));
@@ -343,16 +338,12 @@ impl<B: Backend> Attention<B> {
             return;
         }
         let pooled = b.mean_pool_rows(&b.rows(raw, done * r..complete * r), r);
-        let mut keys = b.rms_norm(
+        let starts: Vec<usize> = (done..complete).map(|blk| blk * r).collect();
+        let keys = b.rms_norm_rope(
             &pooled,
             &ix.k_norm,
             self.eps,
             NormScale::OnePlus,
-            ix.shape.index_head_dim,
-        );
-        let starts: Vec<usize> = (done..complete).map(|blk| blk * r).collect();
-        b.rope(
-            &mut keys,
             &starts,
             ix.shape.index_head_dim,
             self.rotary_dim,
