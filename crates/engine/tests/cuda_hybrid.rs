@@ -40,7 +40,8 @@ fn load(b: CudaBackend, cache_experts: usize, limit: Option<u64>) -> HybridModel
     )
     .unwrap();
     let o = HybridOptions {
-        cache_bytes: cache_experts * probe.report.expert_bytes,
+        // `usize::MAX` experts means "room for all": saturate instead of overflowing.
+        cache_bytes: cache_experts.saturating_mul(probe.report.expert_bytes),
         threads: 4,
         half_life_tokens: 8.0,
         page_locked_limit: limit,
@@ -135,7 +136,7 @@ fn hybrid_on_the_gpu_matches_the_reference_with_the_store_page_locked() {
 #[test]
 fn all_resident_on_the_gpu_matches_the_reference() {
     let Some(b) = gpu() else { return };
-    let mut h = load(b, usize::MAX / 1024, None);
+    let mut h = load(b, usize::MAX, None);
     assert!(h.report.all_resident);
     check(&mut h.model, "gpu, all resident");
 }
