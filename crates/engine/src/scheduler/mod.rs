@@ -952,8 +952,19 @@ fn resume(
     returning_session(&c, model, &begin.session, last_session);
     let mut cached = 0;
     if let Some(hit) = begin.hit {
+        let started = std::time::Instant::now();
         match model.import_state(seq, &hit.state) {
-            Ok(()) => cached = hit.len,
+            Ok(()) => {
+                cached = hit.len;
+                tracing::info!(
+                    target: "capy::cache",
+                    tokens = hit.len,
+                    bytes = hit.state.bytes(),
+                    tier = ?hit.tier,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    "import: state loaded into the model"
+                );
+            }
             Err(e) => {
                 tracing::warn!("prefix cache: a cached state did not load, recomputing: {e:#}");
                 c.discard(hit.entry);
@@ -1094,8 +1105,21 @@ fn export(c: &mut PrefixCache, model: &dyn CausalLm, session: &str, seq: SeqId, 
     if !c.wants(tokens) || model.sequence_len(seq) != Some(tokens.len()) {
         return;
     }
+    let started = std::time::Instant::now();
     match model.export_state(seq) {
-        Ok(state) => c.insert(session, tokens, state),
+        Ok(state) => {
+            let exported = started.elapsed();
+            let bytes = state.bytes();
+            c.insert(session, tokens, state);
+            tracing::info!(
+                target: "capy::cache",
+                tokens = tokens.len(),
+                bytes,
+                export_ms = exported.as_secs_f64() * 1e3,
+                insert_ms = (started.elapsed() - exported).as_secs_f64() * 1e3,
+                "export: state captured into the RAM tier"
+            );
+        }
         Err(e) => tracing::debug!("prefix cache: not captured: {e:#}"),
     }
 }
