@@ -17,7 +17,7 @@
 use super::state::{HostPart, HostState};
 use anyhow::{bail, Context, Result};
 use std::fs::{self, File};
-use std::io::{Read, Write};
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &[u8; 8] = b"CAPYKV\r\n";
@@ -89,22 +89,51 @@ fn bytes_to_u32s(b: &[u8]) -> Vec<u32> {
 /// The state section: `u64 len | u32 tensors | (u32 rows, u32 cols, f32 × rows·cols)* | u32
 /// id lists | (u32 n, u32 × n)*`, little-endian.
 pub fn encode_state(s: &HostState) -> Vec<u8> {
-    let mut out = Vec::with_capacity(s.bytes() + 16 + 8 * (s.tensors.len() + s.ids.len()));
-    out.extend((s.len as u64).to_le_bytes());
-    out.extend((s.tensors.len() as u32).to_le_bytes());
-    for t in &s.tensors {
-        out.extend((t.rows as u32).to_le_bytes());
-        out.extend((t.cols as u32).to_le_bytes());
-        for x in &t.data {
-            out.extend(x.to_le_bytes());
-        }
-    }
-    out.extend((s.ids.len() as u32).to_le_bytes());
-    for ids in &s.ids {
-        out.extend((ids.len() as u32).to_le_bytes());
-        out.extend(u32s_to_bytes(ids));
+    let pieces = state_pieces(s);
+    let mut out = Vec::with_capacity(pieces.iter().map(|p| p.len()).sum());
+    for p in &pieces {
+        out.extend_from_slice(p);
     }
     out
+}
+
+/// The state section as consecutive byte pieces: the small headers owned, the tensors' data
+/// borrowed (their in-memory bytes are the little-endian encoding), so a write neither copies
+/// the state nor holds a second one in memory.
+fn state_pieces(s: &HostState) -> Vec<std::borrow::Cow<'_, [u8]>> {
+    use std::borrow::Cow;
+    let mut pieces: Vec<Cow<'_, [u8]>> = Vec::with_capacity(2 * s.tensors.len() + 4);
+    let mut head = Vec::with_capacity(12);
+    head.extend((s.len as u64).to_le_bytes());
+    head.extend((s.tensors.len() as u32).to_le_bytes());
+    pieces.push(Cow::Owned(head));
+    for t in &s.tensors {
+        let mut shape = Vec::with_capacity(8);
+        shape.extend((t.rows as u32).to_le_bytes());
+        shape.extend((t.cols as u32).to_le_bytes());
+        pieces.push(Cow::Owned(shape));
+        pieces.push(f32_bytes(&t.data));
+    }
+    let mut ids = Vec::with_capacity(4 + s.ids.iter().map(|i| 4 + 4 * i.len()).sum::<usize>());
+    ids.extend((s.ids.len() as u32).to_le_bytes());
+    for list in &s.ids {
+        ids.extend((list.len() as u32).to_le_bytes());
+        ids.extend(u32s_to_bytes(list));
+    }
+    pieces.push(Cow::Owned(ids));
+    pieces
+}
+
+/// The little-endian bytes of f32 values: borrowed where memory is little-endian already.
+fn f32_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: any f32 is 4 initialised bytes; u8 has alignment 1.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v))
+        })
+    } else {
+        std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
 }
 
 pub fn decode_state(b: &[u8]) -> Result<HostState> {
@@ -172,18 +201,21 @@ pub fn write_entry(
 ) -> Result<(PathBuf, u64)> {
     fs::create_dir_all(dir)
         .with_context(|| format!("creating the disk cache folder {}", dir.display()))?;
+    let started = std::time::Instant::now();
     let tok = u32s_to_bytes(tokens);
-    let st = encode_state(state);
+    let pieces = state_pieces(state);
+    let state_bytes: usize = pieces.iter().map(|p| p.len()).sum();
     let header = Header {
         model_id: identity.model_id.clone(),
         format: identity.format.clone(),
         session: session.to_string(),
         tokens: tokens.len(),
         tokens_crc32: crc32fast::hash(&tok),
-        state_bytes: st.len(),
-        state_crc32: crc32fast::hash(&st),
+        state_bytes,
+        state_crc32: crc_of_pieces(&pieces),
         created_unix: super::unix_now(),
     };
+    let checksummed = started.elapsed();
     let hj = serde_json::to_vec(&header)?;
     let path = dir.join(file_name(tokens));
     let tmp = path.with_extension(format!("{EXTENSION}.tmp"));
@@ -195,7 +227,9 @@ pub fn write_entry(
         f.write_all(&hj)?;
         f.write_all(&crc32fast::hash(&hj).to_le_bytes())?;
         f.write_all(&tok)?;
-        f.write_all(&st)?;
+        for p in &pieces {
+            f.write_all(p)?;
+        }
         f.sync_all()?;
         let n = f.metadata()?.len();
         drop(f);
@@ -205,6 +239,14 @@ pub fn write_entry(
     match write() {
         Ok(n) => {
             fsync_dir(dir);
+            tracing::info!(
+                target: "capy::cache",
+                tokens = tokens.len(),
+                bytes = n,
+                crc_ms = checksummed.as_secs_f64() * 1e3,
+                write_ms = (started.elapsed() - checksummed).as_secs_f64() * 1e3,
+                "disk write: entry written (writer thread)"
+            );
             Ok((path, n))
         }
         Err(e) => {
@@ -256,12 +298,59 @@ fn read_head(f: &mut File, identity: &CacheIdentity) -> Result<(Header, Vec<u32>
     Ok((header, bytes_to_u32s(&tok)))
 }
 
+/// The CRC-32 of consecutive pieces, the large ones hashed on several threads and combined.
+fn crc_of_pieces(pieces: &[std::borrow::Cow<'_, [u8]>]) -> u32 {
+    let ranges: Vec<&[u8]> = pieces
+        .iter()
+        .flat_map(|p| p.chunks(CRC_PIECE_BYTES.max(1)))
+        .collect();
+    let threads = io_threads().min(ranges.len()).max(1);
+    let mut partial: Vec<Option<crc32fast::Hasher>> = vec![None; ranges.len()];
+    std::thread::scope(|s| {
+        let slots: Vec<_> = partial.chunks_mut(ranges.len().div_ceil(threads)).collect();
+        let mut start = 0;
+        for slot in slots {
+            let mine = &ranges[start..start + slot.len()];
+            start += slot.len();
+            s.spawn(move || {
+                for (out, r) in slot.iter_mut().zip(mine) {
+                    let mut h = crc32fast::Hasher::new();
+                    h.update(r);
+                    *out = Some(h);
+                }
+            });
+        }
+    });
+    let mut all = crc32fast::Hasher::new();
+    for h in partial.into_iter().flatten() {
+        all.combine(&h);
+    }
+    all.finalize()
+}
+
+/// Bytes one thread reads (and checksums) at a time.
+const CRC_PIECE_BYTES: usize = 64 << 20;
+
+/// Threads reading or checksumming a state: memory bandwidth and the page cache scale to a
+/// few threads; more only contend.
+fn io_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+}
+
 /// Reads a whole entry, verifying everything; the tokens must be `expect_tokens` when given.
+///
+/// The state section is read straight into the tensors' final buffers by several threads at
+/// once (positioned reads of disjoint ranges), each checksumming its ranges; the CRC-32s are
+/// combined in file order and checked before the state is returned.
 pub fn read_entry(
     path: &Path,
     identity: &CacheIdentity,
     expect_tokens: Option<&[u32]>,
 ) -> Result<HostState> {
+    use std::os::unix::fs::FileExt;
+    let started = std::time::Instant::now();
     let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let (header, tokens) = read_head(&mut f, identity)?;
     if let Some(t) = expect_tokens {
@@ -269,28 +358,193 @@ pub fn read_entry(
             bail!("the entry's tokens are not the ones indexed for it");
         }
     }
-    let mut st = Vec::with_capacity(header.state_bytes);
-    f.read_to_end(&mut st)
-        .context("reading the state section")?;
-    if st.len() != header.state_bytes {
+    let state_start = f.stream_position().context("finding the state section")?;
+    let file_len = f.metadata().context("reading the file's size")?.len();
+    let state_bytes = file_len.saturating_sub(state_start);
+    if state_bytes != header.state_bytes as u64 {
         bail!(
-            "the state section has {} bytes, the header says {}",
-            st.len(),
+            "the state section has {state_bytes} bytes, the header says {}",
             header.state_bytes
         );
     }
-    if crc32fast::hash(&st) != header.state_crc32 {
+    // Walk the small headers of the layout (positioned reads), so every tensor's buffer can be
+    // allocated and its file range known before the bulk read.
+    let end = state_start + state_bytes;
+    let mut pos = state_start;
+    let small = |n: usize, pos: &mut u64| -> Result<Vec<u8>> {
+        if *pos + n as u64 > end {
+            bail!(
+                "the state section ends at byte {} but needs {n} more from {}",
+                end - state_start,
+                *pos - state_start
+            );
+        }
+        let mut b = vec![0u8; n];
+        f.read_exact_at(&mut b, *pos)
+            .context("reading the state section")?;
+        *pos += n as u64;
+        Ok(b)
+    };
+    let u32_of = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    // (file offset, in-memory bytes) of every range, in file order; tensors' data are placed later.
+    let mut head_pieces: Vec<(u64, Vec<u8>)> = Vec::new();
+    let head = small(12, &mut pos)?;
+    let len = u64::from_le_bytes(head[..8].try_into().unwrap()) as usize;
+    let n_tensors = u32_of(&head[8..]);
+    head_pieces.push((pos - 12, head));
+    let mut shapes = Vec::with_capacity(n_tensors.min(1 << 16));
+    for _ in 0..n_tensors {
+        let shape = small(8, &mut pos)?;
+        let (rows, cols) = (u32_of(&shape), u32_of(&shape[4..]));
+        head_pieces.push((pos - 8, shape));
+        let n = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(4))
+            .filter(|&n| pos + n as u64 <= end)
+            .with_context(|| {
+                format!(
+                    "tensor [{rows}, {cols}] at byte {} runs past the state section's end",
+                    pos - state_start
+                )
+            })?;
+        shapes.push((rows, cols, pos));
+        pos += n as u64;
+    }
+    let ids_start = pos;
+    let ids_bytes = small((end - pos) as usize, &mut pos)?;
+    head_pieces.push((ids_start, ids_bytes.clone()));
+    let ids = decode_ids(&ids_bytes)?;
+    let walked = started.elapsed();
+
+    let mut tensors: Vec<HostPart> = shapes
+        .iter()
+        .map(|&(rows, cols, _)| HostPart {
+            rows,
+            cols,
+            data: vec![0f32; rows * cols],
+        })
+        .collect();
+    // Bulk ranges: (order key = file offset, file offset, destination bytes).
+    let mut bulk: Vec<(u64, &mut [u8])> = Vec::new();
+    for (t, &(_, _, at)) in tensors.iter_mut().zip(&shapes) {
+        // SAFETY: any 4 bytes are a valid f32; the slice covers exactly the Vec's values.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                t.data.as_mut_ptr() as *mut u8,
+                std::mem::size_of_val(t.data.as_slice()),
+            )
+        };
+        let mut off = at;
+        for piece in bytes.chunks_mut(CRC_PIECE_BYTES) {
+            let n = piece.len() as u64;
+            bulk.push((off, piece));
+            off += n;
+        }
+    }
+    let threads = io_threads().min(bulk.len()).max(1);
+    let per = bulk.len().div_ceil(threads).max(1);
+    let file = &f;
+    let results: Vec<Result<Vec<(u64, crc32fast::Hasher)>>> = std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        let mut rest = bulk;
+        while !rest.is_empty() {
+            let tail = rest.split_off(per.min(rest.len()));
+            let mine = std::mem::replace(&mut rest, tail);
+            handles.push(s.spawn(move || -> Result<Vec<(u64, crc32fast::Hasher)>> {
+                let mut out = Vec::with_capacity(mine.len());
+                for (off, dst) in mine {
+                    file.read_exact_at(dst, off)
+                        .context("reading the state section")?;
+                    let mut h = crc32fast::Hasher::new();
+                    h.update(dst);
+                    out.push((off, h));
+                }
+                Ok(out)
+            }));
+        }
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a cache reader thread panicked"))
+            .collect()
+    });
+    let read = started.elapsed();
+    let mut parts: Vec<(u64, crc32fast::Hasher)> = head_pieces
+        .iter()
+        .map(|(off, b)| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(b);
+            (*off, h)
+        })
+        .collect();
+    for r in results {
+        parts.extend(r?);
+    }
+    parts.sort_by_key(|p| p.0);
+    let mut crc = crc32fast::Hasher::new();
+    for (_, h) in &parts {
+        crc.combine(h);
+    }
+    if crc.finalize() != header.state_crc32 {
         bail!("the state section's checksum does not match (the file is corrupt)");
     }
-    let state = decode_state(&st)?;
-    if state.len != tokens.len() {
+    if cfg!(target_endian = "big") {
+        for t in &mut tensors {
+            for x in &mut t.data {
+                *x = f32::from_bits(u32::from_le(x.to_bits()));
+            }
+        }
+    }
+    if len != tokens.len() {
         bail!(
-            "the state holds {} tokens but the entry lists {}",
-            state.len,
+            "the state holds {len} tokens but the entry lists {}",
             tokens.len()
         );
     }
+    let state = HostState { len, tensors, ids };
+    tracing::info!(
+        target: "capy::cache",
+        tokens = len,
+        bytes = state_bytes,
+        threads,
+        layout_ms = walked.as_secs_f64() * 1e3,
+        read_and_crc_ms = (read - walked).as_secs_f64() * 1e3,
+        total_ms = started.elapsed().as_secs_f64() * 1e3,
+        "disk read: entry read and verified"
+    );
     Ok(state)
+}
+
+/// The id lists at the end of the state section: `u32 lists | (u32 n, u32 × n)*`, exactly.
+fn decode_ids(b: &[u8]) -> Result<Vec<Vec<u32>>> {
+    let mut pos = 0usize;
+    let mut take = |n: usize| -> Result<&[u8]> {
+        let end = pos
+            .checked_add(n)
+            .filter(|&e| e <= b.len())
+            .with_context(|| {
+                format!(
+                    "the id lists end at byte {} but need {n} more from {pos}",
+                    b.len()
+                )
+            })?;
+        let s = &b[pos..end];
+        pos = end;
+        Ok(s)
+    };
+    let u32_at = |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize;
+    let n_ids = u32_at(take(4)?);
+    let mut ids = Vec::with_capacity(n_ids.min(1 << 16));
+    for _ in 0..n_ids {
+        let n = u32_at(take(4)?);
+        ids.push(bytes_to_u32s(take(n.checked_mul(4).context("overflow")?)?));
+    }
+    if pos != b.len() {
+        bail!(
+            "the state section has {} bytes after its end",
+            b.len() - pos
+        );
+    }
+    Ok(ids)
 }
 
 /// Lists the entries in `dir`, deleting leftover `.tmp` files and entries that fail their

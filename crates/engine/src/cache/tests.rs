@@ -435,3 +435,75 @@ fn only_sub(dir: &Path) -> PathBuf {
         .unwrap()
         .path()
 }
+
+/// A state of several tensors of different shapes (and values no arithmetic produces, so a
+/// byte-level mix-up shows), plus id lists.
+fn mixed_state(len: usize) -> HostState {
+    let mut s = HostState::new(len);
+    for (i, &(rows, cols)) in [(len, 16), (3, 5), (len, 1), (0, 8), (7, 33)]
+        .iter()
+        .enumerate()
+    {
+        let data = (0..rows * cols)
+            .map(|j| {
+                f32::from_bits(
+                    0x3f80_0000 ^ ((i as u32) << 24) ^ (j as u32).wrapping_mul(2_654_435_761),
+                )
+            })
+            .collect();
+        s.tensors.push(HostPart { rows, cols, data });
+    }
+    s.ids.push(vec![1, 2, 3]);
+    s.ids.push(vec![]);
+    s
+}
+
+#[test]
+fn disk_entries_round_trip_bitwise_and_keep_the_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = toks(0..50);
+    let s = mixed_state(t.len());
+    let (path, n) = disk::write_entry(dir.path(), &identity(), "s", &t, &s).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(bytes.len() as u64, n);
+    // The streamed write lays the state section out exactly as `encode_state` does.
+    let enc = disk::encode_state(&s);
+    assert_eq!(&bytes[bytes.len() - enc.len()..], enc.as_slice());
+    let back = disk::read_entry(&path, &identity(), Some(&t)).unwrap();
+    assert_eq!(back.len, s.len);
+    assert_eq!(back.ids, s.ids);
+    assert_eq!(back.tensors.len(), s.tensors.len());
+    for (a, b) in back.tensors.iter().zip(&s.tensors) {
+        assert_eq!((a.rows, a.cols), (b.rows, b.cols));
+        let bits = |p: &HostPart| p.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(a), bits(b));
+    }
+}
+
+#[test]
+fn a_flipped_bit_anywhere_in_the_state_section_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = toks(0..50);
+    let s = mixed_state(t.len());
+    let (path, _) = disk::write_entry(dir.path(), &identity(), "s", &t, &s).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let enc_len = disk::encode_state(&s).len();
+    let start = good.len() - enc_len;
+    // The section's header, the first tensor's data, a small tensor, the id lists.
+    for at in [
+        start + 1,
+        start + 20,
+        start + 12 + 8 + 50 * 64 + 8 + 3,
+        good.len() - 2,
+    ] {
+        let mut bad = good.clone();
+        bad[at] ^= 0x04;
+        std::fs::write(&path, &bad).unwrap();
+        let err = disk::read_entry(&path, &identity(), Some(&t));
+        assert!(err.is_err(), "a flipped bit at byte {at} went unnoticed");
+    }
+    // Truncated by one byte: refused before anything is read.
+    std::fs::write(&path, &good[..good.len() - 1]).unwrap();
+    let err = disk::read_entry(&path, &identity(), Some(&t)).unwrap_err();
+    assert!(format!("{err:#}").contains("the header says"), "{err:#}");
+}
