@@ -3,7 +3,9 @@
 //!   where no libnvrtc is found, like `cuda_nvrtc_compile.rs`);
 //! - two ranks on ONE GPU (two `CudaBackend`s, each with its own stream), exchanging through the
 //!   host mailbox (the staged path): logits within tolerance of the CPU model at TP=1 and the
-//!   same greedy tokens. Skipped without a CUDA driver and device.
+//!   same greedy tokens, for `qwen3_5_text` and for Flash-Next (`qwen4_exp_text`: QSA, PLE,
+//!   hyper-connections, each rank computing the routed experts it owns). Skipped without a CUDA
+//!   driver and device.
 #![cfg(feature = "cuda")]
 
 use capy_engine::backend::cpu::CpuBackend;
@@ -63,6 +65,17 @@ fn run(m: &mut dyn CausalLm, ids: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) 
 
 #[test]
 fn two_ranks_on_one_gpu_match_the_cpu_model() {
+    two_ranks_on_one_gpu("qwen3_5_text/gqa4x2_gdn2x4_rot25");
+}
+
+#[test]
+fn two_ranks_on_one_gpu_match_the_cpu_model_flash_next() {
+    // 23 tokens run past the fixture's QSA budget of 12: the sparse selection is exercised.
+    two_ranks_on_one_gpu("qwen4_exp_text/per_expert");
+}
+
+/// The fixture `fixture` (under tests/fixtures) at TP=2 on GPU 0 against the CPU model at TP=1.
+fn two_ranks_on_one_gpu(fixture: &str) {
     let backends: Vec<CudaBackend> = match (0..2)
         .map(|_| CudaBackend::with_exact_math(0, None, true))
         .collect()
@@ -74,11 +87,13 @@ fn two_ranks_on_one_gpu_match_the_cpu_model() {
         }
     };
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/qwen3_5_text/gqa4x2_gdn2x4_rot25");
+        .join("tests/fixtures")
+        .join(fixture);
     let ck = Checkpoint::open(&dir).unwrap();
     let mut cpu = model::load(CpuBackend::new(), &ck).unwrap();
     let mut gpu = parallel::load(backends, &ck, Duration::from_secs(30)).unwrap();
-    let ids: Vec<u32> = (0..23).map(|i| (i * 37 + 5) % 256).collect();
+    let vocab = ck.config.vocab_size as u32;
+    let ids: Vec<u32> = (0..23).map(|i| (i * 37 + 5) % vocab).collect();
     let (l1, g1) = run(cpu.as_mut(), &ids, 12);
     let (l2, g2) = run(gpu.as_mut(), &ids, 12);
     let worst = l1
@@ -86,7 +101,7 @@ fn two_ranks_on_one_gpu_match_the_cpu_model() {
         .zip(&l2)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f32::max);
-    println!("TP=2 on one GPU vs CPU TP=1: max |Δ| {worst:e}");
-    assert!(worst <= TOLERANCE, "max |Δ| {worst:e}");
-    assert_eq!(g2, g1);
+    println!("{fixture}: TP=2 on one GPU vs CPU TP=1: max |Δ| {worst:e}");
+    assert!(worst <= TOLERANCE, "{fixture}: max |Δ| {worst:e}");
+    assert_eq!(g2, g1, "{fixture}: greedy tokens");
 }

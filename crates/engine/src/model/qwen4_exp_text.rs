@@ -68,7 +68,7 @@ impl<B: Backend> Clone for LayerState<B> {
 }
 
 impl<B: Backend> LayerState<B> {
-    fn bytes(&self, b: &B) -> usize {
+    pub fn bytes(&self, b: &B) -> usize {
         match self {
             LayerState::Linear { gdn, ple } => {
                 gdn.bytes(b)
@@ -81,14 +81,14 @@ impl<B: Backend> LayerState<B> {
         }
     }
 
-    fn attention(&self) -> Option<&AttentionState<B>> {
+    pub fn attention(&self) -> Option<&AttentionState<B>> {
         match self {
             LayerState::Attention(a) => Some(a),
             LayerState::Linear { .. } => None,
         }
     }
 
-    fn attention_mut(&mut self) -> Option<&mut AttentionState<B>> {
+    pub fn attention_mut(&mut self) -> Option<&mut AttentionState<B>> {
         match self {
             LayerState::Attention(a) => Some(a),
             LayerState::Linear { .. } => None,

@@ -4,13 +4,15 @@
 //! after the MLP's down projection) are summed through page-locked host memory ([`exchange`]).
 //! The residual stream is replicated: every rank adds the same sums, in the same order.
 //!
-//! [`qwen3_5`] is the TP form of `qwen3_5_text`; [`load`] builds it from one backend per rank.
+//! [`qwen3_5`] is the TP form of `qwen3_5_text`, [`qwen4_exp`] that of `qwen4_exp_text`
+//! (Flash-Next); [`load`] builds either from one backend per rank.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod exchange;
 pub mod experts;
 pub mod qwen3_5;
+pub mod qwen4_exp;
 pub mod shard;
 
 use crate::backend::Backend;
@@ -83,18 +85,29 @@ pub fn load<B: Backend>(
 ) -> Result<Box<dyn CausalLm>> {
     let ranks = backends.len();
     match ck.config.architecture {
-        Architecture::Qwen3_5Text => {
-            let ex = HostExchange::for_ranks(ranks, ck.config.hidden_size, timeout)?;
-            let ex: Vec<Box<dyn RankExchange<B>>> = ex
-                .into_iter()
-                .map(|e| Box::new(e) as Box<dyn RankExchange<B>>)
-                .collect();
-            Ok(Box::new(qwen3_5::TpQwen3_5Text::load(backends, ex, ck)?))
-        }
-        Architecture::Qwen4ExpText => bail!(
-            "tensor parallelism (--tp {ranks}) is not implemented for qwen4_exp_text yet; the sharding plan for it exists (parallel::shard), the forward pass does not; run it with --tp 1"
-        ),
+        Architecture::Qwen3_5Text => Ok(Box::new(qwen3_5::TpQwen3_5Text::load(
+            backends,
+            host_exchanges(ranks, ck.config.hidden_size, timeout)?,
+            ck,
+        )?)),
+        Architecture::Qwen4ExpText => Ok(Box::new(qwen4_exp::TpQwen4ExpText::load(
+            backends,
+            host_exchanges(ranks, ck.config.hidden_size, timeout)?,
+            ck,
+        )?)),
     }
+}
+
+/// One [`HostExchange`] per rank over one mailbox, as the models take them.
+pub fn host_exchanges<B: Backend>(
+    ranks: usize,
+    hidden: usize,
+    timeout: Duration,
+) -> Result<Vec<Box<dyn RankExchange<B>>>> {
+    Ok(HostExchange::for_ranks(ranks, hidden, timeout)?
+        .into_iter()
+        .map(|e| Box::new(e) as Box<dyn RankExchange<B>>)
+        .collect())
 }
 
 /// Where the ranks of `--tp N` run.

@@ -89,15 +89,20 @@ pub fn plan(c: &TextConfig, ranks: usize) -> Result<Vec<RankShard>> {
     if ranks == 0 {
         bail!("tensor parallelism needs at least one rank (--tp 1 or more)");
     }
-    let shared = c
-        .qwen4_exp()
-        .ok()
-        .map(|f| f.moe.shared_expert_intermediate_size)
-        .unwrap_or(0);
-    for (what, n) in [
-        ("MLP intermediate", c.intermediate_size),
-        ("vocabulary", c.vocab_size),
-    ] {
+    let shared = match c.architecture {
+        crate::config::Architecture::Qwen4ExpText => {
+            c.qwen4_exp()?.moe.shared_expert_intermediate_size
+        }
+        crate::config::Architecture::Qwen3_5Text => 0,
+    };
+    // Flash-Next has no dense MLP (its intermediate_size is unset): the width split there is
+    // the shared expert's.
+    let mlp = if shared > 0 {
+        ("shared expert intermediate", shared)
+    } else {
+        ("MLP intermediate", c.intermediate_size)
+    };
+    for (what, n) in [mlp, ("vocabulary", c.vocab_size)] {
         if n < ranks {
             bail!(
                 "cannot split the {what} size {n} over {ranks} ranks: each rank needs at least one"
@@ -268,13 +273,20 @@ pub fn apply(t: &HostTensor, cut: &Cut) -> Result<HostTensor> {
 /// This rank's view of the checkpoint's decoder layers: every `…layers.N.` tensor, cut for the
 /// rank or copied whole, under its own name, with a config of the shard's sizes, so the model's
 /// layer loaders read it unchanged. Embeddings and the head are not included (see
-/// [`vocab_rows`]). The shard's tensors are copied into one buffer.
+/// [`vocab_rows`]), nor Flash-Next's routed experts and PLE n-gram table. The shard's tensors
+/// are copied into one buffer.
 pub fn layer_checkpoint(ck: &Checkpoint, shard: &RankShard) -> Result<Checkpoint> {
     let c = &ck.config;
     let mut buffer = Vec::new();
     let mut entries = Vec::new();
     for name in ck.weights.names() {
-        if !name.contains("layers.") || crate::model::is_unused_tensor(name) {
+        // Flash-Next's routed experts and n-gram table are never cut and are the bulk of its
+        // bytes: the ranks read them from `ck` itself (one copy for all), not from the shard.
+        if !name.contains("layers.")
+            || crate::model::is_unused_tensor(name)
+            || name.contains(".mlp.experts.")
+            || name.contains("ngram_embedding.")
+        {
             continue;
         }
         let t = ck.weights.get(name)?;

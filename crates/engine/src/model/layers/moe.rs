@@ -113,10 +113,36 @@ pub fn load_expert_matrices<B: Backend>(
     hidden: usize,
     m: &MoeConfig,
 ) -> Result<Vec<ExpertMatrices<B::Matrix>>> {
-    let (e_count, inter) = (m.num_experts, m.moe_intermediate_size);
+    let all: Vec<usize> = (0..m.num_experts).collect();
+    load_expert_matrices_of(b, ck, p, hidden, m, &all)
+}
+
+/// [`load_expert_matrices`] for the experts `which` only, in that order (a tensor-parallel
+/// rank uploads just the experts it owns).
+pub fn load_expert_matrices_of<B: Backend>(
+    b: &B,
+    ck: &Checkpoint,
+    p: &str,
+    hidden: usize,
+    m: &MoeConfig,
+    which: &[usize],
+) -> Result<Vec<ExpertMatrices<B::Matrix>>> {
+    let inter = m.moe_intermediate_size;
+    if let Some(&e) = which.iter().find(|&&e| e >= m.num_experts) {
+        bail!(
+            "expert {e} asked for under {p}, but the layer has {} experts",
+            m.num_experts
+        );
+    }
     if ck.weights.contains(&format!("{p}gate_up_proj")) {
-        return read_expert_tensors(ck, p, hidden, m)?
-            .into_iter()
+        let mut all: Vec<Option<ExpertMatrices<HostTensor>>> =
+            read_expert_tensors(ck, p, hidden, m)?
+                .into_iter()
+                .map(Some)
+                .collect();
+        return which
+            .iter()
+            .map(|&e| all[e].take().expect("distinct experts"))
             .map(|t| {
                 Ok(ExpertMatrices {
                     gate_up: b.matrix(&t.gate_up)?,
@@ -129,8 +155,9 @@ pub fn load_expert_matrices<B: Backend>(
         // Names what is expected.
         read_expert_tensors(ck, p, hidden, m)?;
     }
-    (0..e_count)
-        .map(|e| {
+    which
+        .iter()
+        .map(|&e| {
             let name = |proj: &str| format!("{p}{e}.{proj}.weight");
             let gate_up = match (
                 quant_rows(ck, &name("gate_proj"), [inter, hidden])?,
