@@ -292,3 +292,96 @@ fn tp2_state_snapshot_export_and_rollback_resume_exactly() {
     let other = one.export_state(s1).unwrap();
     assert!(split.import_state(seq, &other).is_err());
 }
+
+/// TP=2 with hybrid expert placement, on the CPU stand-in (the "resident" side is the CPU
+/// backend): one host expert store for both ranks, each rank's cache admitting only its own
+/// experts. From a cold small cache (admissions and evictions while the prompts run), with no
+/// cache at all (every expert on the CPU kernels) and with room for every owned expert, the
+/// logits stay within the fixture bound of transformers and the greedy tokens are theirs.
+#[test]
+fn tp2_hybrid_shared_host_store_and_split_caches_match_transformers() {
+    use capy_engine::hybrid::HybridOptions;
+    use capy_engine::parallel::qwen4_exp::{load_hybrid, TpQwen4ExpText};
+    for name in FIXTURES {
+        let fx = fixture(name);
+        let flash = fx.ck.config.qwen4_exp().unwrap();
+        let (h, i) = (fx.ck.config.hidden_size, flash.moe.moe_intermediate_size);
+        // F32 experts: gate, up and down, 4 bytes a weight.
+        let expert_bytes = 3 * h * i * 4;
+        let layers = fx.ck.config.num_hidden_layers;
+        for (slots, label) in [
+            (3, "small cache"),
+            (0, "no cache"),
+            (layers * 8, "room for all"),
+        ] {
+            let load = || -> TpQwen4ExpText<CpuBackend> {
+                load_hybrid(
+                    vec![CpuBackend::new(), CpuBackend::new()],
+                    parallel::host_exchanges(2, h, Duration::from_secs(60)).unwrap(),
+                    &fx.ck,
+                    &HybridOptions {
+                        cache_bytes: slots * expert_bytes,
+                        threads: 2,
+                        ..Default::default()
+                    },
+                )
+                .unwrap_or_else(|e| panic!("{name} {label}: {e:#}"))
+            };
+            let mut m = load();
+            let got = run_chunked(&mut m, &fx.prompts, 5);
+            for (p, (g, r)) in got.iter().zip(&fx.logits).enumerate() {
+                let d = max_diff(g, r);
+                assert!(
+                    d <= REFERENCE_TOLERANCE,
+                    "{name} hybrid TP=2, {label}, prompt {p}: max |Δ| to transformers = {d}"
+                );
+            }
+            let mut m2 = load();
+            let steps = fx.greedy[0].len();
+            assert_eq!(
+                greedy(&mut m2, &fx.prompts, steps),
+                fx.greedy,
+                "{name} hybrid TP=2, {label}: greedy tokens"
+            );
+            // Each rank's cache holds (and has ever been asked for) only the experts it owns.
+            let shards: Vec<_> = m.shards().into_iter().cloned().collect();
+            let caches: Vec<_> = (0..2).filter_map(|r| m.expert_cache(r).cloned()).collect();
+            match label {
+                "room for all" => assert!(caches.is_empty(), "{name}: no cache policy needed"),
+                _ => {
+                    assert_eq!(caches.len(), 2, "{name} {label}: one cache per rank");
+                    for (r, c) in caches.iter().enumerate() {
+                        let c = c.lock().unwrap();
+                        assert!(
+                            c.stats().lookups > 0,
+                            "{name} {label}: rank {r} saw no experts"
+                        );
+                        for l in 0..layers {
+                            let resident = c.resident_in(l);
+                            assert!(resident.len() <= slots);
+                            for e in resident {
+                                assert!(
+                                    shards[r].owns_expert(e as usize),
+                                    "{name} {label}: rank {r} cached expert {e} of layer {l}"
+                                );
+                            }
+                        }
+                    }
+                    if slots > 0 {
+                        let cached: usize = caches
+                            .iter()
+                            .map(|c| {
+                                let c = c.lock().unwrap();
+                                (0..layers).map(|l| c.resident_in(l).len()).sum::<usize>()
+                            })
+                            .sum();
+                        assert!(cached > 0, "{name} {label}: nothing was ever admitted");
+                        let seq = m.new_sequence();
+                        let heat = m.routing_heat(seq).expect("the ranks' caches report heat");
+                        assert!(!heat.is_empty(), "{name} {label}: no heat reported");
+                    }
+                }
+            }
+        }
+    }
+}

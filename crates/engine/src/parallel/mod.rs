@@ -134,20 +134,54 @@ pub fn load_tp(ck: &Checkpoint, ranks: usize, devices: &TpDevices) -> Result<Box
             exchange::DEFAULT_TIMEOUT,
         ),
         #[cfg(feature = "cuda")]
-        TpDevices::Cuda { vram_budget } => {
-            cuda::check_gpus(ranks, cuda::gpu_count()?)?;
-            let backends = (0..ranks)
-                .map(|r| {
-                    crate::backend::cuda::CudaBackend::new(r, *vram_budget).map_err(|e| {
-                        anyhow::anyhow!("--tp {ranks}: cannot open GPU {r} for rank {r}: {e:#}")
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            load(backends, ck, exchange::DEFAULT_TIMEOUT)
-        }
+        TpDevices::Cuda { vram_budget } => load(
+            cuda_backends(ranks, *vram_budget)?,
+            ck,
+            exchange::DEFAULT_TIMEOUT,
+        ),
         #[cfg(not(feature = "cuda"))]
         TpDevices::Cuda { .. } => {
             bail!("--tp {ranks} on CUDA: this build has no CUDA backend (built without the cuda feature)")
         }
     }
+}
+
+/// CUDA GPUs `0..ranks`, one backend per rank, each within `vram_budget`.
+#[cfg(feature = "cuda")]
+fn cuda_backends(
+    ranks: usize,
+    vram_budget: Option<u64>,
+) -> Result<Vec<crate::backend::cuda::CudaBackend>> {
+    cuda::check_gpus(ranks, cuda::gpu_count()?)?;
+    (0..ranks)
+        .map(|r| {
+            crate::backend::cuda::CudaBackend::new(r, vram_budget).map_err(|e| {
+                anyhow::anyhow!("--tp {ranks}: cannot open GPU {r} for rank {r}: {e:#}")
+            })
+        })
+        .collect()
+}
+
+/// `--tp ranks` for Flash-Next with hybrid experts on CUDA GPUs `0..ranks` (see
+/// [`qwen4_exp::load_hybrid`]): one host expert store for all ranks, and on each card an
+/// expert cache of `o.cache_bytes` within that card's `vram_budget`.
+#[cfg(feature = "cuda")]
+pub fn load_tp_hybrid(
+    ck: &Checkpoint,
+    ranks: usize,
+    vram_budget: Option<u64>,
+    o: &crate::hybrid::HybridOptions,
+) -> Result<Box<dyn CausalLm>> {
+    if ck.config.architecture != Architecture::Qwen4ExpText {
+        bail!(
+            "hybrid expert placement is for Flash-Next (qwen4_exp_text) checkpoints; this one is {}",
+            ck.config.architecture.model_type()
+        );
+    }
+    Ok(Box::new(qwen4_exp::load_hybrid(
+        cuda_backends(ranks, vram_budget)?,
+        host_exchanges(ranks, ck.config.hidden_size, exchange::DEFAULT_TIMEOUT)?,
+        ck,
+        o,
+    )?))
 }

@@ -339,6 +339,11 @@ impl<B: Backend> TpQwen4ExpText<B> {
         self.ranks[rank].expert_cache = Some(cache);
     }
 
+    /// Rank `rank`'s VRAM expert cache, when it has one.
+    pub fn expert_cache(&self, rank: usize) -> Option<&Arc<Mutex<ExpertCache>>> {
+        self.ranks.get(rank)?.expert_cache.as_ref()
+    }
+
     fn empty_state(&self, rank: &Rank<B>) -> SeqState<B> {
         let b = &rank.backend;
         let layers = rank
@@ -804,4 +809,92 @@ impl<B: Backend> CausalLm for TpQwen4ExpText<B> {
         self.sequences.states.insert(seq, states);
         Ok(())
     }
+}
+
+/// Flash-Next over the ranks of `backends` with hybrid expert placement: every layer's routed
+/// experts in ONE host expert store that all ranks read (shared `Arc`s, page-locked once,
+/// portable to every card), and per rank a VRAM expert cache of `o.cache_bytes` (each card's
+/// own budget) that only ever admits the experts that rank owns, so the cache is split across
+/// the cards. Each rank computes its uncached experts on its own CPU worker pool (the pool runs
+/// one job at a time, and the ranks run at once): `o.threads` (0: the physical cores) divided
+/// among the ranks.
+pub fn load_hybrid<B: Backend>(
+    backends: Vec<B>,
+    exchanges: Vec<Box<dyn RankExchange<B>>>,
+    ck: &Checkpoint,
+    o: &crate::hybrid::HybridOptions,
+) -> Result<TpQwen4ExpText<B>> {
+    use crate::backend::cpu::experts::ExpertPool;
+    use crate::backend::cpu::simd::Isa;
+    use crate::hybrid::expert_cache::ExpertCacheConfig;
+    use crate::hybrid::load::host_expert_set;
+    use crate::hybrid::{HybridExperts, Placement};
+    let ranks = backends.len();
+    let flash = ck.config.qwen4_exp()?;
+    let (layers, experts) = (ck.config.num_hidden_layers, flash.moe.num_experts);
+    let prefix = text_prefix(ck);
+    let sets: Vec<Arc<crate::backend::cpu::experts::ExpertSet>> = (0..layers)
+        .map(|l| host_expert_set(ck, &format!("{prefix}layers.{l}.mlp.experts.")).map(Arc::new))
+        .collect::<Result<_>>()?;
+    let expert_bytes = sets[0].layout.weight_bytes().max(1);
+    let slots = o.cache_bytes / expert_bytes;
+    let plan = shard::plan(&ck.config, ranks)?;
+    // Per rank: its cache (None when every expert it owns fits) and its CPU worker pool.
+    let caches: Vec<Option<Arc<Mutex<ExpertCache>>>> = plan
+        .iter()
+        .map(|s| {
+            let owned = layers * s.owned_experts(experts).len();
+            (slots < owned).then(|| {
+                Arc::new(Mutex::new(ExpertCache::new(
+                    layers,
+                    experts,
+                    ExpertCacheConfig {
+                        slots,
+                        half_life_tokens: o.half_life_tokens,
+                        admit_margin: o.admit_margin,
+                    },
+                )))
+            })
+        })
+        .collect();
+    let cores = crate::backend::cpu::experts::pool::physical_cores().len();
+    let threads = if o.threads == 0 { cores } else { o.threads };
+    let pools: Vec<Arc<ExpertPool>> = (0..ranks)
+        .map(|_| Arc::new(ExpertPool::new((threads / ranks).max(1), false)))
+        .collect();
+    let isa = Isa::detect();
+    let pin_plan = crate::hybrid::load::plan_pins(
+        &sets.iter().map(|s| s.bytes()).collect::<Vec<_>>(),
+        o.page_locked_limit,
+    );
+    let mut make = |b: &B, s: &RankShard, layer: usize, _prefix: &str| {
+        let placement = match &caches[s.rank] {
+            Some(c) => Placement::Cached(c.clone()),
+            None => Placement::Fixed((0..experts).map(|e| s.owns_expert(e)).collect()),
+        };
+        let mut h = HybridExperts::new(
+            b,
+            layer,
+            sets[layer].clone(),
+            pools[s.rank].clone(),
+            isa,
+            placement,
+        )?;
+        // The store is registered portable: pinned once (through rank 0, in layer order while
+        // under the OS's page-locked limit), every card's copies from it are DMA. A refusal
+        // leaves it pageable: slower copies, the same results.
+        if s.rank == 0 && pin_plan[layer] {
+            if let Err(e) = h.pin_host_store(b) {
+                tracing::warn!("layer {layer}: the expert store stays pageable: {e:#}");
+            }
+        }
+        Ok(Box::new(h) as Box<dyn RoutedExperts<B>>)
+    };
+    let mut model = TpQwen4ExpText::load_with_experts(backends, exchanges, ck, &mut make)?;
+    for (rank, cache) in caches.into_iter().enumerate() {
+        if let Some(c) = cache {
+            model.set_expert_cache(rank, c);
+        }
+    }
+    Ok(model)
 }
