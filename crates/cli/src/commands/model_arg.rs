@@ -99,15 +99,11 @@ impl BackendArg {
         self.expert_cache.is_some() || self.vram_budget.is_some()
     }
 
-    /// Flash-Next with hybrid experts: dense weights and an expert cache on the GPU, the
-    /// routed experts in page-locked host RAM computed on the CPU when not cached.
-    fn load_hybrid(
-        &self,
-        backend: capy_engine::backend::cuda::CudaBackend,
-        ck: &Checkpoint,
-    ) -> Result<Box<dyn CausalLm>> {
-        use capy_engine::hybrid::{load::vram_plan, load_flash_next, HybridOptions};
-        let cache_bytes = match (self.expert_cache, self.vram_budget) {
+    /// The expert cache's VRAM: `--expert-cache`, else what `--vram-budget` leaves after the
+    /// dense weights and `--vram-reserve` (printed).
+    fn expert_cache_bytes(&self, ck: &Checkpoint) -> Result<u64> {
+        use capy_engine::hybrid::load::vram_plan;
+        Ok(match (self.expert_cache, self.vram_budget) {
             (Some(bytes), _) => bytes,
             (None, Some(budget)) => {
                 let plan = vram_plan(ck, budget, self.vram_reserve)?;
@@ -121,7 +117,18 @@ impl BackendArg {
                 plan.cache_bytes
             }
             (None, None) => unreachable!("hybrid_wanted"),
-        };
+        })
+    }
+
+    /// Flash-Next with hybrid experts: dense weights and an expert cache on the GPU, the
+    /// routed experts in page-locked host RAM computed on the CPU when not cached.
+    fn load_hybrid(
+        &self,
+        backend: capy_engine::backend::cuda::CudaBackend,
+        ck: &Checkpoint,
+    ) -> Result<Box<dyn CausalLm>> {
+        use capy_engine::hybrid::{load_flash_next, HybridOptions};
+        let cache_bytes = self.expert_cache_bytes(ck)?;
         let machine = capy_hardware::probe::probe();
         let o = HybridOptions {
             cache_bytes: cache_bytes as usize,
@@ -196,8 +203,24 @@ impl BackendArg {
                 }
             }
         };
-        let model = parallel::load_tp(ck, n, &devices)
-            .with_context(|| format!("loading the model with --tp {n} on {name}"))?;
+        let hybrid = name == "cuda" && ck.config.qwen4_exp().is_ok() && self.hybrid_wanted();
+        let model = if hybrid {
+            // Each card's budget holds the whole dense part here (its shard is smaller): the
+            // cache sizes err on the safe side.
+            let o = capy_engine::hybrid::HybridOptions {
+                cache_bytes: self.expert_cache_bytes(ck)? as usize,
+                page_locked_limit: Some(capy_hardware::probe::probe().page_locked.cap_bytes),
+                ..Default::default()
+            };
+            eprintln!(
+                "capy-flash: hybrid experts over {n} ranks: one host expert store, an expert cache of {:.2} GiB on each GPU for the experts that GPU owns",
+                gib(o.cache_bytes as u64)
+            );
+            parallel::load_tp_hybrid(ck, n, self.vram_budget, &o)
+        } else {
+            parallel::load_tp(ck, n, &devices)
+        }
+        .with_context(|| format!("loading the model with --tp {n} on {name}"))?;
         eprintln!("capy-flash: tensor parallel over {n} ranks ({name})");
         Ok((model, name))
     }
