@@ -19,6 +19,7 @@ import { promisify } from "node:util";
 import { fileURLToPath } from "node:url";
 
 const run = promisify(execFile);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
 const shots = path.join(root, "target/ui-screenshots");
 const app = process.env.CAPY_APP || path.join(root, "src-tauri/target/debug/capy-flash-app");
@@ -139,8 +140,30 @@ after(async () => {
   const pid = Number(fs.existsSync(path.join(tmp, "app.pid")) && fs.readFileSync(path.join(tmp, "app.pid"), "utf8"));
   if (pid) try { process.kill(pid, "SIGKILL"); } catch (_) { /* exited, as it should */ }
   if (driver && driver.exitCode === null) try { process.kill(-driver.pid, "SIGTERM"); } catch (_) { /* gone */ }
-  fs.rmSync(tmp, { recursive: true, force: true });
+  // WebKit can D-Bus-activate xdg-document-portal. With XDG_RUNTIME_DIR unset, the portal
+  // mounts its FUSE file system under XDG_CACHE_HOME/doc, inside tmp. The portal unmounts it
+  // as it exits, which can be after the bus is gone. Removing tmp before then fails with
+  // EISDIR. So wait for the drivers to exit and the mount to go, and unmount it if it stays.
+  for (let i = 0; i < 50 && driver && driver.exitCode === null && driver.signalCode === null; i++) await sleep(100);
+  for (let i = 0; i < 30 && mountsUnder(tmp).length; i++) await sleep(100);
+  for (const mnt of mountsUnder(tmp)) {
+    try { await run("fusermount3", ["-uz", mnt]); } catch (_) {
+      try { await run("fusermount", ["-uz", mnt]); } catch (e) {
+        if (mountsUnder(tmp).includes(mnt)) console.error(`could not unmount ${mnt}: ${e.message}`);
+      }
+    }
+  }
+  fs.rmSync(tmp, { recursive: true, force: true, maxRetries: 5, retryDelay: 200 });
 });
+
+// Mount points at or below dir, deepest first, from /proc/self/mounts (octal escapes decoded).
+function mountsUnder(dir) {
+  let table = "";
+  try { table = fs.readFileSync("/proc/self/mounts", "utf8"); } catch (_) { return []; }
+  return table.split("\n").map((l) => (l.split(" ")[1] || "").replace(/\\([0-7]{3})/g, (_, o) => String.fromCharCode(parseInt(o, 8))))
+    .filter((m) => m === dir || m.startsWith(dir + path.sep))
+    .sort((a, b) => b.length - a.length);
+}
 
 test("the app's window shows its in-process server, round-trips through it, and quits cleanly", { skip }, async () => {
   // The window is the app's own page (not the server's /ui) and talks to the app's server.
