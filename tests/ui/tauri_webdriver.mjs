@@ -54,7 +54,7 @@ async function waitFor(fn, what, ms = 60_000) {
       throw new Error(`timed out after ${ms / 1000} s waiting for ${what}${last ? ` (last error: ${last.message})` : ""}\n` +
         `--- drivers:\n${driverLog.slice(-3000)}\n--- app:\n${appLog()}`);
     }
-    await new Promise((r) => setTimeout(r, 250));
+    await sleep(250);
   }
 }
 
@@ -146,11 +146,10 @@ after(async () => {
   // EISDIR. So wait for the drivers to exit and the mount to go, and unmount it if it stays.
   for (let i = 0; i < 50 && driver && driver.exitCode === null && driver.signalCode === null; i++) await sleep(100);
   for (let i = 0; i < 30 && mountsUnder(tmp).length; i++) await sleep(100);
+  const fusermount = onPath("fusermount3") ? "fusermount3" : "fusermount";
   for (const mnt of mountsUnder(tmp)) {
-    try { await run("fusermount3", ["-uz", mnt]); } catch (_) {
-      try { await run("fusermount", ["-uz", mnt]); } catch (e) {
-        if (mountsUnder(tmp).includes(mnt)) console.error(`could not unmount ${mnt}: ${e.message}`);
-      }
+    try { await run(fusermount, ["-uz", mnt]); } catch (e) {
+      if (mountsUnder(tmp).includes(mnt)) console.error(`could not unmount ${mnt}: ${e.message}`);
     }
   }
   fs.rmSync(tmp, { recursive: true, force: true, maxRetries: 5, retryDelay: 200 });
@@ -188,7 +187,7 @@ test("the app's window shows its in-process server, round-trips through it, and 
   }, "the server's disk offload to turn on with the window's folder");
   const saved = JSON.parse(fs.readFileSync(path.join(tmp, "config/settings.json"), "utf8"));
   assert.equal(saved.disk_offload, true);
-  await new Promise((r) => setTimeout(r, 2500)); // the next status poll re-reads the server's state
+  await sleep(2500); // the next status poll re-reads the server's state
   assert.equal(await call("GET", s(`/element/${await find("offload-toggle")}/selected`)), true);
 
   // The tray → server → window: Stop server, the dashboard sees it gone; Start server, back.
