@@ -190,6 +190,7 @@ async function pollStatus() {
     if (!offloadDirty && document.activeElement !== $("offload-dir")) $("offload-dir").value = o.dir;
     // The prefix cache's disk tier is what is offloaded; without a cache nothing is.
     const pc = s.use && s.use.prefix_cache;
+    $("cached-ram").textContent = bytes(pc ? pc.ram_bytes : 0);
     $("offloaded").textContent = bytes(pc ? pc.disk_bytes : 0);
     $("sessions").textContent = (s.sessions || []).length;
   } catch (e) { $("offloaded").textContent = "failed: " + e.message; }

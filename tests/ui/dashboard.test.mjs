@@ -119,12 +119,13 @@ test("toggles disk offload and persists it", async () => {
   assert.equal(saved.disk_offload, true);
   assert.equal(saved.disk_offload_dir, dir);
   assert.ok(fs.statSync(dir).isDirectory());
-  // The figure shown is the prefix cache's disk use, as the server reports it.
+  // The figures shown are the prefix cache's RAM and disk use, as the server reports them.
   const fmt = (b) => (b >= 1e9 ? (b / 1e9).toFixed(2) + " GB" : b >= 1e6 ? (b / 1e6).toFixed(1) + " MB" : b >= 1e3 ? (b / 1e3).toFixed(1) + " kB" : b + " B");
   await waitFor(async () => {
     const st = await (await fetch(origin + "/admin/status")).json();
-    return (await text("offloaded")) === fmt(st.use.prefix_cache.disk_bytes);
-  }, "the offloaded bytes as the server reports them");
+    const pc = st.use.prefix_cache;
+    return (await text("offloaded")) === fmt(pc.disk_bytes) && (await text("cached-ram")) === fmt(pc.ram_bytes);
+  }, "the RAM and disk bytes of idle chats as the server reports them");
   await page.getByTestId("offload-toggle").uncheck();
   await waitFor(async () => !(await (await fetch(origin + "/admin/status")).json()).disk_offload.enabled, "offload off");
 });

@@ -145,6 +145,19 @@ pub trait Backend: Send + Sync + 'static {
     // Takes `self` because the backend owns the device the activation is created on.
     #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Act;
+    /// Like [`Backend::from_host`], with room for `capacity ≥ rows` rows so that
+    /// [`Backend::append_rows`] grows it in place (a KV cache restored from the prefix cache).
+    #[allow(clippy::wrong_self_convention)]
+    fn from_host_with_capacity(
+        &self,
+        rows: usize,
+        cols: usize,
+        capacity: usize,
+        data: &[f32],
+    ) -> Self::Act {
+        let _ = capacity;
+        self.from_host(rows, cols, data)
+    }
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
     /// Starts the work queued so far without waiting for it. A backend that records work
     /// before launching it (CUDA graphs) launches the recording here; call it before long

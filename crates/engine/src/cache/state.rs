@@ -63,6 +63,12 @@ impl HostState {
     }
 }
 
+/// Spare rows given to a growing tensor restored with `rows` rows: a quarter more, at least 256
+/// (a turn of an agent adds a tool result and an answer, rarely more).
+pub fn growth_rows(rows: usize) -> usize {
+    (rows / 4).max(256)
+}
+
 /// Reads a [`HostState`] back in the order it was written, checking shapes.
 pub struct HostReader<'a> {
     state: &'a HostState,
@@ -80,6 +86,31 @@ impl HostReader<'_> {
         rows: Option<usize>,
         what: &str,
     ) -> Result<B::Act> {
+        let p = self.next_part(b, template, rows, what)?;
+        Ok(b.from_host(p.rows, p.cols, &p.data))
+    }
+
+    /// Like [`Self::act`], for a tensor that grows a row per token (KV caches, indexer keys):
+    /// it gets room for [`growth_rows`] more rows, so the turn that resumes it appends in place
+    /// instead of copying the whole cache into a buffer twice its size.
+    pub fn growing<B: Backend>(
+        &mut self,
+        b: &B,
+        template: &B::Act,
+        rows: Option<usize>,
+        what: &str,
+    ) -> Result<B::Act> {
+        let p = self.next_part(b, template, rows, what)?;
+        Ok(b.from_host_with_capacity(p.rows, p.cols, p.rows + growth_rows(p.rows), &p.data))
+    }
+
+    fn next_part<B: Backend>(
+        &mut self,
+        b: &B,
+        template: &B::Act,
+        rows: Option<usize>,
+        what: &str,
+    ) -> Result<&HostPart> {
         let Some(p) = self.state.tensors.get(self.tensor) else {
             bail!(
                 "the cached state ends before {what} (tensor {}): it was written by another model",
@@ -97,7 +128,7 @@ impl HostReader<'_> {
             );
         }
         self.tensor += 1;
-        Ok(b.from_host(p.rows, p.cols, &p.data))
+        Ok(p)
     }
 
     /// The next id list, of `len` ids.
@@ -152,12 +183,12 @@ pub fn read_attention<B: Backend>(
     len: usize,
 ) -> Result<AttentionState<B>> {
     Ok(AttentionState {
-        k: r.act(b, &template.k, Some(len), "attention keys")?,
-        v: r.act(b, &template.v, Some(len), "attention values")?,
+        k: r.growing(b, &template.k, Some(len), "attention keys")?,
+        v: r.growing(b, &template.v, Some(len), "attention values")?,
         index: match &template.index {
             Some((raw, blocks)) => Some((
-                r.act(b, raw, None, "QSA indexer keys")?,
-                r.act(b, blocks, None, "QSA block keys")?,
+                r.growing(b, raw, None, "QSA indexer keys")?,
+                r.growing(b, blocks, None, "QSA block keys")?,
             )),
             None => None,
         },

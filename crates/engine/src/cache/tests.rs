@@ -507,3 +507,21 @@ fn a_flipped_bit_anywhere_in_the_state_section_is_rejected() {
     let err = disk::read_entry(&path, &identity(), Some(&t)).unwrap_err();
     assert!(format!("{err:#}").contains("the header says"), "{err:#}");
 }
+
+#[test]
+fn page_cache_drop_covers_every_entry_file_and_leaves_them_readable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (toks(0..40), toks(100..170));
+    let (pa, na) = disk::write_entry(dir.path(), &identity(), "s", &a, &state_for(&a, 6)).unwrap();
+    let (_, nb) = disk::write_entry(dir.path(), &identity(), "s", &b, &state_for(&b, 6)).unwrap();
+    std::fs::write(dir.path().join("notes.txt"), b"not an entry").unwrap();
+    let (files, bytes) = disk::drop_from_page_cache(dir.path()).unwrap();
+    assert_eq!((files, bytes), (2, na + nb));
+    assert_eq!(
+        disk::read_entry(&pa, &identity(), Some(&a)).unwrap(),
+        state_for(&a, 6)
+    );
+    let missing = dir.path().join("gone");
+    let err = disk::drop_from_page_cache(&missing).unwrap_err();
+    assert!(format!("{err:#}").contains("gone"), "{err:#}");
+}

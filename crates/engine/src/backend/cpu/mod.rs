@@ -83,6 +83,18 @@ impl Backend for CpuBackend {
         assert_eq!(rows * cols, data.len());
         CpuTensor::new(rows, cols, data.to_vec())
     }
+    fn from_host_with_capacity(
+        &self,
+        rows: usize,
+        cols: usize,
+        capacity: usize,
+        data: &[f32],
+    ) -> CpuTensor {
+        assert_eq!(rows * cols, data.len());
+        let mut v = Vec::with_capacity(capacity.max(rows) * cols);
+        v.extend_from_slice(data);
+        CpuTensor::new(rows, cols, v)
+    }
     fn to_host(&self, x: &CpuTensor) -> Vec<f32> {
         x.data.clone()
     }

@@ -19,6 +19,7 @@ pub mod flash_next;
 pub mod graph;
 mod host_pin;
 pub mod kernels;
+mod staging;
 
 use super::cpu::experts::format::RowFormat;
 use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
@@ -155,6 +156,9 @@ struct Inner {
     /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
     /// allocation would belong to the graph); freed with `cuMemFree`, never `cuMemFreeAsync`.
     sync_allocated: Mutex<HashSet<drv_sys::CUdeviceptr>>,
+    /// Page-locked buffers for large copies (`staging.rs`); dropped after the stream is
+    /// synchronised in `Drop for Inner`.
+    staging: Mutex<staging::TransferStaging>,
 }
 
 struct BlasHandle(blas_sys::cublasHandle_t);
@@ -260,6 +264,10 @@ pub struct CudaTensor {
 }
 
 impl CudaTensor {
+    /// Rows the buffer holds before an append has to move it.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
     fn ptr(&self) -> u64 {
         self.buf.ptr
     }
@@ -538,6 +546,7 @@ impl CudaBackend {
         };
         Ok(CudaBackend {
             inner: Arc::new(Inner {
+                staging: Mutex::new(staging::TransferStaging::new(ctx.clone())),
                 ctx,
                 stream,
                 blas: Mutex::new(BlasHandle(handle)),
@@ -684,6 +693,16 @@ impl CudaBackend {
                 "host-to-device copy (recorded) failed: {r:?}"
             );
         } else {
+            if bytes >= staging::STAGED_MIN_BYTES {
+                // SAFETY: `data` is `bytes` bytes of plain values; `dst` holds `bytes` bytes.
+                let raw = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
+                let mut st = self.inner.staging.lock().expect("copy staging poisoned");
+                // SAFETY: as above; the stages are reused only after their copies passed.
+                if unsafe { st.upload(dst, raw, self.stream()) }.unwrap_or_else(|e| panic!("{e:#}"))
+                {
+                    return;
+                }
+            }
             // SAFETY: as above; the copy from pageable memory is staged by the driver before
             // the call returns, so `data` may be dropped afterwards.
             unsafe { drv::memcpy_htod_async(dst, data, self.stream()) }
@@ -695,7 +714,18 @@ impl CudaBackend {
     fn dtoh<T: Copy>(&self, out: &mut [T], src: drv_sys::CUdeviceptr) {
         self.bind();
         self.submit_recorded().unwrap_or_else(|e| panic!("{e:#}"));
-        if !out.is_empty() {
+        let bytes = std::mem::size_of_val(out);
+        let mut staged = false;
+        if bytes >= staging::STAGED_MIN_BYTES {
+            // SAFETY: `out` is `bytes` bytes of plain values, any bit pattern of which the
+            // callers' types (f32, integers) accept.
+            let raw = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
+            let mut st = self.inner.staging.lock().expect("copy staging poisoned");
+            // SAFETY: `src` holds `bytes` bytes (callers allocate it).
+            staged =
+                unsafe { st.download(raw, src, self.stream()) }.unwrap_or_else(|e| panic!("{e:#}"));
+        }
+        if !out.is_empty() && !staged {
             // SAFETY: `src` holds `out.len()` values of T (callers allocate it); the stream is
             // synchronised before `out` is read.
             unsafe { drv::memcpy_dtoh_async(out, src, self.stream()) }
@@ -1446,14 +1476,24 @@ impl Backend for CudaBackend {
     }
 
     fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
+        self.from_host_with_capacity(rows, cols, rows, data)
+    }
+
+    fn from_host_with_capacity(
+        &self,
+        rows: usize,
+        cols: usize,
+        capacity: usize,
+        data: &[f32],
+    ) -> CudaTensor {
         assert_eq!(rows * cols, data.len());
-        let t = self.alloc_act(rows, cols, rows);
+        let t = self.alloc_act(rows, cols, capacity);
         self.htod(t.ptr(), data);
         t
     }
 
     fn to_host(&self, x: &CudaTensor) -> Vec<f32> {
-        let mut out = vec![0f32; x.len()];
+        let mut out = crate::tensor::bulk_f32(x.len());
         self.dtoh(&mut out, x.ptr());
         out
     }
