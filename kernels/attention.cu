@@ -98,28 +98,51 @@ extern "C" __global__ void attn_combine(const float* part_o, const float* part_m
     }
 }
 
-// scores [rows, cols] (already scaled); row r may see columns 0..first_len + r; the rest become 0.
-extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len) {
-    __shared__ float scratch[32];
-    const int r = blockIdx.x;
-    float* row = scores + (u64)r * cols;
+// Online (max, sum of exp(x - max)) pairs: combining two keeps the sum relative to the larger max.
+__device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, float s2) {
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) { m = m2; s = s2; return; }
+    const float mm = fmaxf(m, m2);
+    s = s * expf(m - mm) + s2 * expf(m2 - mm);
+    m = mm;
+}
+
+// scores [heads · rows_per_head, cols] (already scaled), the rows of each head together; row r
+// of a head may see columns 0..first_len + r, the rest become 0. Two passes over the row (the
+// max and the sum online, then the normalised values) instead of three: at 30K keys the scores
+// are read from and written to memory, so passes are what this kernel costs.
+extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head) {
+    __shared__ float sm_m[32], sm_s[32];
+    const int r = blockIdx.x % rows_per_head;
+    float* row = scores + (u64)blockIdx.x * cols;
     const int len = min(cols, first_len + r);
-    float m = -INFINITY;
-    for (int t = threadIdx.x; t < len; t += blockDim.x) m = fmaxf(m, row[t]);
-    // block max through the sum helper's scratch: reduce per warp, then across warps
-    m = warp_max(m);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = (threadIdx.x & 31) < (blockDim.x >> 5) ? scratch[threadIdx.x & 31] : -INFINITY;
-    m = warp_max(m);
-    float sum = 0.0f;
+    float m = -INFINITY, s = 0.0f;
     for (int t = threadIdx.x; t < len; t += blockDim.x) {
-        float e = expf(row[t] - m);
-        row[t] = e;
-        sum += e;
+        const float x = row[t];
+        if (x > m) {
+            s = (m == -INFINITY ? 0.0f : s * expf(m - x)) + 1.0f;
+            m = x;
+        } else {
+            s += expf(x - m);
+        }
     }
-    sum = block_sum(sum, scratch);
-    const float inv = 1.0f / sum;
-    for (int t = threadIdx.x; t < cols; t += blockDim.x) row[t] = t < len ? row[t] * inv : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        softmax_combine(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) { sm_m[warp] = m; sm_s[warp] = s; }
+    __syncthreads();
+    m = lane < warps ? sm_m[lane] : -INFINITY;
+    s = lane < warps ? sm_s[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        softmax_combine(m, s, m2, s2);
+    }
+    const float inv = 1.0f / s;
+    for (int t = threadIdx.x; t < cols; t += blockDim.x) row[t] = t < len ? expf(row[t] - m) * inv : 0.0f;
 }

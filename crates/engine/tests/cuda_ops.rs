@@ -451,6 +451,8 @@ fn attention_matches_cpu_for_decode_and_prefill() {
         (24, 4, 256, 0, 40),
         (6, 3, 64, 100, 33),
         (4, 1, 16, 5, 16),
+        // Deep enough that the query rows go in several blocks (group 8 over 300K keys).
+        (8, 1, 32, 300_000, 24),
     ] {
         let s = AttentionShape {
             num_heads: heads,

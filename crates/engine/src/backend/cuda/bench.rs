@@ -202,8 +202,24 @@ fn op_timings(
     let q1 = b.zeros(1, a.num_heads * a.head_dim);
     let kv1 = b.zeros(n + 1, a.num_kv_heads * a.head_dim);
     let attn_decode_ms = b.time_ms(|| drop(b.attention(&q1, &kv1, &kv1, n, a)))?;
+    // A 512-token prefill chunk (the scheduler's default) deep into a conversation, as an
+    // agent's turn prefills its new tool result: the cost that grows with the context.
+    let chunk = 512;
+    let mut at_depth = Vec::new();
+    for past in [0usize, 8192, 28_000] {
+        let qc = b.zeros(chunk, a.num_heads * a.head_dim);
+        let kvc = b.zeros(past + chunk, a.num_kv_heads * a.head_dim);
+        let _ = b.attention(&qc, &kvc, &kvc, past, a);
+        let ms = b.time_ms(|| drop(b.attention(&qc, &kvc, &kvc, past, a)))?;
+        // QKᵀ and PV: 2 FLOPs per multiply-add, query i sees past + i + 1 keys.
+        let pairs = (chunk * past + chunk * (chunk + 1) / 2) as f64;
+        let flop = 4.0 * (a.num_heads * a.head_dim) as f64 * pairs;
+        at_depth.push(json!({"past": past, "queries": chunk, "ms": ms,
+                             "tflop_per_s": flop / (ms as f64 / 1e3) / 1e12}));
+    }
     let gflop = 2.0 * (n * h * gate_up) as f64 / 1e9;
     Ok(json!({
+        "attention_prefill_chunk_at_depth": at_depth,
         "tokens": n,
         "gate_up_gemm_ms": gemm_ms,
         "gate_up_gemm_tflop_per_s": gflop / gemm_ms as f64,

@@ -1281,6 +1281,10 @@ impl CudaBackend {
             part_o.ptr, part_ml.ptr, out.ptr(), s.num_heads as i32, s.head_dim as i32, splits as i32);
     }
 
+    /// Prefill attention through cuBLAS, one key/value head at a time: the `group` query heads
+    /// that share it are one strided-batched GEMM for the scores (K read once for all of
+    /// them), one softmax launch, and one batched GEMM for P·V. Query rows go in blocks so
+    /// that the group's scores fit the scratch.
     fn attention_gemm(
         &self,
         q: &CudaTensor,
@@ -1290,54 +1294,108 @@ impl CudaBackend {
         s: AttentionShape,
         out: &CudaTensor,
     ) {
-        use blas_sys::cudaDataType::CUDA_R_32F;
         let (n, d) = (q.rows, s.head_dim);
         let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
         let group = s.num_heads / s.num_kv_heads;
         let total = past + n;
-        // Query rows per block, so that one head's scores fit the scratch.
-        let block = (SCRATCH_ELEMS / total).clamp(1, n);
-        let scores = self.alloc(block * total * 4, "attention scores");
+        let block = (SCRATCH_ELEMS / (total * group)).clamp(1, n);
+        let scores = self.alloc(block * total * group * 4, "attention scores");
         for q0 in (0..n).step_by(block) {
             let rows = block.min(n - q0);
             // Keys the last query of this block can see.
             let keys = past + q0 + rows;
-            for h in 0..s.num_heads {
-                let kvh = h / group;
-                let q_ptr = q.ptr() + ((q0 * qd + h * d) * 4) as u64;
+            let per_head = (rows * keys) as i64;
+            for kvh in 0..s.num_kv_heads {
+                let h0 = kvh * group;
+                let q_ptr = q.ptr() + ((q0 * qd + h0 * d) * 4) as u64;
                 let k_ptr = k.ptr() + ((kvh * d) * 4) as u64;
                 let v_ptr = v.ptr() + ((kvh * d) * 4) as u64;
-                // scores[rows, keys] = scale · Q_h Kᵀ (column-major: Sᵀ = K · Q_hᵀ)
-                self.gemm(
-                    true,
-                    false,
-                    keys,
-                    rows,
-                    d,
+                // scores_h[rows, keys] = scale · Q_h Kᵀ (column-major: Sᵀ = K · Q_hᵀ), h in
+                // the group: Q_h a head (d values) further along each row, K the same.
+                self.gemm_batched(
+                    (true, false),
+                    (keys, rows, d),
                     s.scale,
-                    (k_ptr, CUDA_R_32F, kvd),
-                    (q_ptr, CUDA_R_32F, qd),
-                    (scores.ptr, keys),
-                    self.f32_compute(),
+                    (k_ptr, kvd, 0),
+                    (q_ptr, qd, d as i64),
+                    (scores.ptr, keys, per_head),
+                    group,
                 );
-                launch!(self, "causal_softmax", (rows as u32, 1, 1), (256, 1, 1), 0;
-                    scores.ptr, keys as i32, (past + q0 + 1) as i32);
-                // out_h[rows, d] = P · V (column-major: Oᵀ = Vᵀ · Pᵀ)
-                let o_ptr = out.ptr() + ((q0 * qd + h * d) * 4) as u64;
-                self.gemm(
-                    false,
-                    false,
-                    d,
-                    rows,
-                    keys,
+                launch!(self, "causal_softmax", ((rows * group) as u32, 1, 1), (256, 1, 1), 0;
+                    scores.ptr, keys as i32, (past + q0 + 1) as i32, rows as i32);
+                // out_h[rows, d] = P_h · V (column-major: Oᵀ = Vᵀ · P_hᵀ)
+                let o_ptr = out.ptr() + ((q0 * qd + h0 * d) * 4) as u64;
+                self.gemm_batched(
+                    (false, false),
+                    (d, rows, keys),
                     1.0,
-                    (v_ptr, CUDA_R_32F, kvd),
-                    (scores.ptr, CUDA_R_32F, keys),
-                    (o_ptr, qd),
-                    self.f32_compute(),
+                    (v_ptr, kvd, 0),
+                    (scores.ptr, keys, per_head),
+                    (o_ptr, qd, d as i64),
+                    group,
                 );
             }
         }
+    }
+
+    /// `C_i = alpha · op(A_i)·op(B_i)` for `batch` f32 matrices (column-major, as cuBLAS sees
+    /// them), each operand given as `(pointer, leading dimension, stride between matrices in
+    /// elements)`; a stride of 0 shares one matrix across the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_batched(
+        &self,
+        (trans_a, trans_b): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        a: (u64, usize, i64),
+        b: (u64, usize, i64),
+        c: (u64, usize, i64),
+        batch: usize,
+    ) {
+        use blas_sys::cudaDataType::CUDA_R_32F;
+        let op = |t| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let beta = 0f32;
+        self.queue_work();
+        let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");
+        // SAFETY: pointers, leading dimensions and strides describe live device buffers
+        // (callers check shapes).
+        let r = unsafe {
+            blas_sys::cublasGemmStridedBatchedEx(
+                h.0,
+                op(trans_a),
+                op(trans_b),
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                a.0 as *const c_void,
+                CUDA_R_32F,
+                a.1 as i32,
+                a.2,
+                b.0 as *const c_void,
+                CUDA_R_32F,
+                b.1 as i32,
+                b.2,
+                &beta as *const f32 as *const c_void,
+                c.0 as *mut c_void,
+                CUDA_R_32F,
+                c.1 as i32,
+                c.2,
+                batch as i32,
+                self.f32_compute(),
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        };
+        assert!(
+            r == blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+            "cublasGemmStridedBatchedEx (m={m}, n={n}, k={k}, batch {batch}) failed: {r:?}"
+        );
     }
 }
 

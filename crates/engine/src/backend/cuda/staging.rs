@@ -14,13 +14,14 @@ use cudarc::driver::{sys as drv_sys, CudaContext};
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Copies from this size up go through the staging buffers; smaller ones (per-step tables,
-/// parameter vectors) are not worth the synchronisation.
-pub(super) const STAGED_MIN_BYTES: usize = 4 << 20;
+/// Copies from this size up go through the staging buffers (a 27B GDN layer's recurrent state
+/// is 3 MiB, and a state export is 48 of them); smaller ones (per-step tables, parameter
+/// vectors) are not worth the synchronisation.
+pub(super) const STAGED_MIN_BYTES: usize = 1 << 20;
 /// Bytes of each of the two staging buffers.
 const STAGE_BYTES: usize = 32 << 20;
-/// Pieces below this are copied by the calling thread alone.
-const PARALLEL_MIN_BYTES: usize = 2 << 20;
+/// Pieces below this are copied by the calling thread alone (starting threads costs more).
+const PARALLEL_MIN_BYTES: usize = 8 << 20;
 
 fn check(r: drv_sys::CUresult, what: &str) -> Result<()> {
     if r == drv_sys::CUresult::CUDA_SUCCESS {
