@@ -475,6 +475,44 @@ fn attention_matches_cpu_for_decode_and_prefill() {
     }
 }
 
+/// Every way of cutting prefill attention up (heads per batched GEMM, scores workspace small
+/// enough to force several row blocks) gives the CPU reference's result.
+#[test]
+fn attention_plans_all_match_cpu() {
+    use capy_engine::backend::cuda::AttentionGemmPlan;
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(9);
+    let (heads, kv, d, past, n) = (12, 2, 64, 300, 40);
+    let s = AttentionShape {
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: d,
+        scale: (d as f32).powf(-0.5),
+    };
+    let q = r.vec(n * heads * d, 1.0);
+    let k = r.vec((past + n) * kv * d, 1.0);
+    let v = r.vec((past + n) * kv * d, 1.0);
+    let (qc, qg) = pair(&g, n, heads * d, &q);
+    let (kc, kg) = pair(&g, past + n, kv * d, &k);
+    let (vc, vg) = pair(&g, past + n, kv * d, &v);
+    let want = c.attention(&qc, &kc, &vc, past, s).data;
+    for heads_per_call in [1, 2, 3, 4, 6] {
+        // 340 keys: 7 rows of one head per block at the smallest scratch, all rows at the largest.
+        for scratch_elems in [2_400, 40_000, 1 << 20] {
+            let plan = AttentionGemmPlan {
+                heads_per_call,
+                scratch_elems,
+            };
+            assert_close(
+                &g.to_host(&g.attention_with_plan(&qg, &kg, &vg, past, s, plan)),
+                &want,
+                &format!("attention with {plan:?}"),
+            );
+        }
+    }
+}
+
 #[test]
 fn causal_conv_matches_cpu_and_carries_state() {
     let Some(g) = gpu() else { return };

@@ -217,8 +217,36 @@ fn op_timings(
         at_depth.push(json!({"past": past, "queries": chunk, "ms": ms,
                              "tflop_per_s": flop / (ms as f64 / 1e3) / 1e12}));
     }
+    // The ways of cutting that chunk up (heads per batched GEMM, scores workspace), the data
+    // behind `AttentionGemmPlan::choose`.
+    let mut plans = Vec::new();
+    for (past, queries) in [(8192usize, 512usize), (28_000, 512), (28_000, 1424)] {
+        let qc = b.zeros(queries, a.num_heads * a.head_dim);
+        let kvc = b.zeros(past + queries, a.num_kv_heads * a.head_dim);
+        let pairs = (queries * past + queries * (queries + 1) / 2) as f64;
+        let flop = 4.0 * (a.num_heads * a.head_dim) as f64 * pairs;
+        let chosen = super::AttentionGemmPlan::choose(queries, past + queries, a);
+        for heads_per_call in [1usize, 2, 3, 6] {
+            for scratch_elems in [16usize << 20, 64 << 20] {
+                let plan = super::AttentionGemmPlan {
+                    heads_per_call,
+                    scratch_elems,
+                };
+                let _ = b.attention_with_plan(&qc, &kvc, &kvc, past, a, plan);
+                let ms =
+                    b.time_ms(|| drop(b.attention_with_plan(&qc, &kvc, &kvc, past, a, plan)))?;
+                plans.push(
+                    json!({"past": past, "queries": queries, "heads_per_call": heads_per_call,
+                                  "scratch_mib": (scratch_elems * 4) >> 20, "ms": ms,
+                                  "tflop_per_s": flop / (ms as f64 / 1e3) / 1e12,
+                                  "default": plan == chosen}),
+                );
+            }
+        }
+    }
     let gflop = 2.0 * (n * h * gate_up) as f64 / 1e9;
     Ok(json!({
+        "attention_plans_at_depth": plans,
         "attention_prefill_chunk_at_depth": at_depth,
         "tokens": n,
         "gate_up_gemm_ms": gemm_ms,

@@ -42,6 +42,29 @@ const QMV8_WARPS: usize = 16;
 /// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
 /// split-KV kernel.
 const ATTENTION_GEMM_MIN_ROWS: usize = 16;
+/// How prefill attention through cuBLAS is cut up ([`CudaBackend::attention_gemm_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionGemmPlan {
+    /// Query heads of one key/value head per batched GEMM.
+    pub heads_per_call: usize,
+    /// Floats of scores per block of query rows (workspace memory).
+    pub scratch_elems: usize,
+}
+
+impl AttentionGemmPlan {
+    /// Batch the heads of a group only while all `n` query rows still fit one block: a smaller
+    /// block makes the GEMMs skinny and rereads K and V, which costs more than the launches
+    /// saved (measured on the H200: batching all six heads at 28K keys halved the speed).
+    pub fn choose(n: usize, total: usize, s: AttentionShape) -> Self {
+        let group = (s.num_heads / s.num_kv_heads).max(1);
+        let fit = SCRATCH_ELEMS / (total * n).max(1);
+        AttentionGemmPlan {
+            heads_per_call: fit.clamp(1, group),
+            scratch_elems: SCRATCH_ELEMS,
+        }
+    }
+}
+
 /// Elements of the f32 scratch that the exact GEMM path widens weights into, and that holds
 /// attention scores (bounds workspace memory: 64 MiB).
 const SCRATCH_ELEMS: usize = 16 << 20;
@@ -1281,10 +1304,30 @@ impl CudaBackend {
             part_o.ptr, part_ml.ptr, out.ptr(), s.num_heads as i32, s.head_dim as i32, splits as i32);
     }
 
-    /// Prefill attention through cuBLAS, one key/value head at a time: the `group` query heads
-    /// that share it are one strided-batched GEMM for the scores (K read once for all of
-    /// them), one softmax launch, and one batched GEMM for P·V. Query rows go in blocks so
-    /// that the group's scores fit the scratch.
+    /// Prefill attention (as [`Backend::attention`] with 16 or more query rows) cut up by
+    /// `plan` instead of the default: for tests and for the benchmark that chose the default.
+    pub fn attention_with_plan(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        past: usize,
+        s: AttentionShape,
+        plan: AttentionGemmPlan,
+    ) -> CudaTensor {
+        assert_eq!(
+            k.rows,
+            past + q.rows,
+            "attention: keys must cover past + queries"
+        );
+        let out = self.alloc_act(q.rows, q.cols, q.rows);
+        if q.rows > 0 {
+            self.attention_gemm_with(q, k, v, past, s, &out, plan);
+        }
+        out
+    }
+
+    /// Prefill attention through cuBLAS with the default [`AttentionGemmPlan`].
     fn attention_gemm(
         &self,
         q: &CudaTensor,
@@ -1294,19 +1337,43 @@ impl CudaBackend {
         s: AttentionShape,
         out: &CudaTensor,
     ) {
+        let plan = AttentionGemmPlan::choose(q.rows, past + q.rows, s);
+        self.attention_gemm_with(q, k, v, past, s, out, plan);
+    }
+
+    /// Prefill attention through cuBLAS: for each block of query rows and each group of
+    /// `plan.heads_per_call` query heads sharing a key/value head, one strided-batched GEMM
+    /// for the scores (K read once for the group), one softmax launch, one batched GEMM for
+    /// P·V. The scores of a block take at most `plan.scratch_elems` floats.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_gemm_with(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        past: usize,
+        s: AttentionShape,
+        out: &CudaTensor,
+        plan: AttentionGemmPlan,
+    ) {
         let (n, d) = (q.rows, s.head_dim);
         let (qd, kvd) = (s.num_heads * d, s.num_kv_heads * d);
         let group = s.num_heads / s.num_kv_heads;
         let total = past + n;
-        let block = (SCRATCH_ELEMS / (total * group)).clamp(1, n);
-        let scores = self.alloc(block * total * group * 4, "attention scores");
+        // A divisor of the group, so that every call's heads share one key/value head.
+        let mut batch = plan.heads_per_call.clamp(1, group);
+        while !group.is_multiple_of(batch) {
+            batch -= 1;
+        }
+        let block = (plan.scratch_elems / (total * batch)).clamp(1, n);
+        let scores = self.alloc(block * total * batch * 4, "attention scores");
         for q0 in (0..n).step_by(block) {
             let rows = block.min(n - q0);
             // Keys the last query of this block can see.
             let keys = past + q0 + rows;
             let per_head = (rows * keys) as i64;
-            for kvh in 0..s.num_kv_heads {
-                let h0 = kvh * group;
+            for h0 in (0..s.num_heads).step_by(batch) {
+                let kvh = h0 / group;
                 let q_ptr = q.ptr() + ((q0 * qd + h0 * d) * 4) as u64;
                 let k_ptr = k.ptr() + ((kvh * d) * 4) as u64;
                 let v_ptr = v.ptr() + ((kvh * d) * 4) as u64;
@@ -1319,9 +1386,9 @@ impl CudaBackend {
                     (k_ptr, kvd, 0),
                     (q_ptr, qd, d as i64),
                     (scores.ptr, keys, per_head),
-                    group,
+                    batch,
                 );
-                launch!(self, "causal_softmax", ((rows * group) as u32, 1, 1), (256, 1, 1), 0;
+                launch!(self, "causal_softmax", ((rows * batch) as u32, 1, 1), (256, 1, 1), 0;
                     scores.ptr, keys as i32, (past + q0 + 1) as i32, rows as i32);
                 // out_h[rows, d] = P_h · V (column-major: Oᵀ = Vᵀ · P_hᵀ)
                 let o_ptr = out.ptr() + ((q0 * qd + h0 * d) * 4) as u64;
@@ -1332,7 +1399,7 @@ impl CudaBackend {
                     (v_ptr, kvd, 0),
                     (scores.ptr, keys, per_head),
                     (o_ptr, qd, d as i64),
-                    group,
+                    batch,
                 );
             }
         }

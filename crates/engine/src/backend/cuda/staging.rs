@@ -279,7 +279,7 @@ mod tests {
             4095,
             PARALLEL_MIN_BYTES - 1,
             PARALLEL_MIN_BYTES,
-            5 << 20 | 7,
+            9 << 20 | 7,
         ] {
             let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
             for threads in [1, 2, 3, 8] {
