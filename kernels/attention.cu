@@ -107,15 +107,13 @@ __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, fl
     m = mm;
 }
 
-// scores [heads · rows_per_head, cols] (already scaled), the rows of each head together; row r
-// of a head may see columns 0..first_len + r, the rest become 0. Two passes over the row (the
-// max and the sum online, then the normalised values) instead of three: at 30K keys the scores
-// are read from and written to memory, so passes are what this kernel costs.
-extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head) {
+// Row r of a head (rows_per_head rows each) sees columns 0..first_len + r; `store(t, p)` writes
+// the normalised probability of column t (0 past the mask). Two passes over the row (the max and
+// the sum online, then the values) instead of three: at 30K keys the scores are read from and
+// written to memory, so passes are what this costs.
+template <typename Store>
+__device__ __forceinline__ void causal_softmax_row(const float* row, int cols, int len, Store store) {
     __shared__ float sm_m[32], sm_s[32];
-    const int r = blockIdx.x % rows_per_head;
-    float* row = scores + (u64)blockIdx.x * cols;
-    const int len = min(cols, first_len + r);
     float m = -INFINITY, s = 0.0f;
     for (int t = threadIdx.x; t < len; t += blockDim.x) {
         const float x = row[t];
@@ -144,5 +142,23 @@ extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len
         softmax_combine(m, s, m2, s2);
     }
     const float inv = 1.0f / s;
-    for (int t = threadIdx.x; t < cols; t += blockDim.x) row[t] = t < len ? expf(row[t] - m) * inv : 0.0f;
+    for (int t = threadIdx.x; t < cols; t += blockDim.x) store(t, t < len ? expf(row[t] - m) * inv : 0.0f);
+}
+
+// scores [heads · rows_per_head, cols] (already scaled), the rows of each head together,
+// normalised in place.
+extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head) {
+    float* row = scores + (u64)blockIdx.x * cols;
+    const int len = min(cols, first_len + (int)(blockIdx.x % rows_per_head));
+    causal_softmax_row(row, cols, len, [&](int t, float p) { row[t] = p; });
+}
+
+// As `causal_softmax`, writing the probabilities as BF16 into `probs` (the fast path's P·V runs
+// on BF16 tensor cores).
+extern "C" __global__ void causal_softmax_bf16(const float* scores, u16* probs, int cols, int first_len,
+                                               int rows_per_head) {
+    const float* row = scores + (u64)blockIdx.x * cols;
+    u16* out = probs + (u64)blockIdx.x * cols;
+    const int len = min(cols, first_len + (int)(blockIdx.x % rows_per_head));
+    causal_softmax_row(row, cols, len, [&](int t, float p) { out[t] = f32_to_bf16(p); });
 }

@@ -475,6 +475,64 @@ fn attention_matches_cpu_for_decode_and_prefill() {
     }
 }
 
+/// The fast path's prefill attention (Q, K, V and probabilities in BF16, f32 scores and sums)
+/// against the f32 CPU reference, at a depth where each query averages over thousands of keys.
+#[test]
+fn fast_attention_stays_near_exact() {
+    let fast = match CudaBackend::with_exact_math(0, None, false) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipping: no usable CUDA device: {e:#}");
+            return;
+        }
+    };
+    let c = CpuBackend::new();
+    let mut r = Rng(12);
+    let (heads, kv, d, past, n) = (24, 4, 256, 3000, 64);
+    let s = AttentionShape {
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: d,
+        scale: (d as f32).powf(-0.5),
+    };
+    // Scores spread over a few units (a peaked softmax), as in a trained model.
+    let q = r.vec(n * heads * d, 2.0);
+    let k = r.vec((past + n) * kv * d, 2.0);
+    let v = r.vec((past + n) * kv * d, 1.0);
+    let up = |rows, cols, x: &[f32]| fast.from_host(rows, cols, x);
+    let got = fast.to_host(&fast.attention(
+        &up(n, heads * d, &q),
+        &up(past + n, kv * d, &k),
+        &up(past + n, kv * d, &v),
+        past,
+        s,
+    ));
+    let want = c
+        .attention(
+            &c.from_host(n, heads * d, &q),
+            &c.from_host(past + n, kv * d, &k),
+            &c.from_host(past + n, kv * d, &v),
+            past,
+            s,
+        )
+        .data;
+    // BF16 inputs move each score by about 2^-8 of its size and each probability by 2^-8
+    // relative; the output, a weighted mean of values in [-1, 1], moves by well under 2%.
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f32::max);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    println!(
+        "fast BF16 attention past {past} n {n}: max |Δ| {worst:.2e} of output scale {scale:.2e}"
+    );
+    assert!(
+        worst <= 0.02 * scale.max(0.1),
+        "fast attention deviates by {worst} (output scale {scale})"
+    );
+}
+
 /// Every way of cutting prefill attention up (heads per batched GEMM, scores workspace small
 /// enough to force several row blocks) gives the CPU reference's result.
 #[test]

@@ -349,6 +349,9 @@ pub fn plan_vram(
     let per_token = 4 * (4 * c.intermediate_size + 2 * c.linear_conv_dim() + 8 * h);
     let workspace = (context * per_token) as u64
         + (super::GDR_WORKSPACE_BYTES + (4 * super::SCRATCH_ELEMS * 4)) as u64
+        // Prefill attention: f32 scores and BF16 probabilities, BF16 copies of K and V.
+        + (super::ATTENTION_SCRATCH_ELEMS * 6) as u64
+        + (context * 2 * c.num_key_value_heads * c.head_dim * 2) as u64
         + quant.map_or(0, |_| (super::QUANT_SCRATCH_ELEMS * 2) as u64);
     Ok(VramPlan {
         weights,

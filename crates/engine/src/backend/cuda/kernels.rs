@@ -128,9 +128,14 @@ pub fn sources() -> Vec<KernelSource> {
         (
             "attention",
             include_str!("../../../../../kernels/attention.cu"),
-            ["attn_split", "attn_combine", "causal_softmax"]
-                .map(String::from)
-                .to_vec(),
+            [
+                "attn_split",
+                "attn_combine",
+                "causal_softmax",
+                "causal_softmax_bf16",
+            ]
+            .map(String::from)
+            .to_vec(),
         ),
         (
             "delta_rule",
