@@ -30,6 +30,38 @@ fn gpu() -> Option<CudaBackend> {
     }
 }
 
+/// The default (fast-math) backend, for the tests that bound how far it strays from exact.
+fn fast_gpu() -> Option<CudaBackend> {
+    match CudaBackend::with_exact_math(0, None, false) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipping: no usable CUDA device: {e:#}");
+            None
+        }
+    }
+}
+
+/// `(max |got − want|, max |want|)`.
+fn deviation(got: &[f32], want: &[f32]) -> (f32, f32) {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f32::max);
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    (worst, scale)
+}
+
+fn attention_shape(heads: usize, kv: usize, d: usize) -> AttentionShape {
+    AttentionShape {
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: d,
+        scale: (d as f32).powf(-0.5),
+    }
+}
+
 struct Rng(u64);
 impl Rng {
     fn f(&mut self) -> f32 {
@@ -405,13 +437,7 @@ fn quantized_linear_matches_cpu_dequantized_reference() {
 #[test]
 fn fast_linear_stays_near_exact() {
     // The default (non-exact) path rounds activations to BF16 for cuBLAS; measure how far that moves.
-    let fast = match CudaBackend::with_exact_math(0, None, false) {
-        Ok(b) => b,
-        Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
-            return;
-        }
-    };
+    let Some(fast) = fast_gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(6);
     let (out, inp, n) = (256, 5120, 64);
@@ -424,12 +450,7 @@ fn fast_linear_stays_near_exact() {
         .data;
     // BF16 keeps 8 significant bits: each product is off by ≤ 2^-8 relative, and the errors of
     // 5,120 random terms add like a random walk, so 1% of the output scale bounds it widely.
-    let scale = want.iter().map(|v| v.abs()).fold(0.0, f32::max);
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let (worst, scale) = deviation(&got, &want);
     println!("fast BF16 linear {n}x{inp} → {out}: max |Δ| {worst:.2e} of output scale {scale:.2e}");
     assert!(
         worst <= 0.01 * scale,
@@ -454,12 +475,7 @@ fn attention_matches_cpu_for_decode_and_prefill() {
         // Deep enough that the query rows go in several blocks (group 8 over 300K keys).
         (8, 1, 32, 300_000, 24),
     ] {
-        let s = AttentionShape {
-            num_heads: heads,
-            num_kv_heads: kv,
-            head_dim: d,
-            scale: (d as f32).powf(-0.5),
-        };
+        let s = attention_shape(heads, kv, d);
         let total = past + n;
         let q = r.vec(n * heads * d, 1.0);
         let k = r.vec(total * kv * d, 1.0);
@@ -479,22 +495,11 @@ fn attention_matches_cpu_for_decode_and_prefill() {
 /// against the f32 CPU reference, at a depth where each query averages over thousands of keys.
 #[test]
 fn fast_attention_stays_near_exact() {
-    let fast = match CudaBackend::with_exact_math(0, None, false) {
-        Ok(b) => b,
-        Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
-            return;
-        }
-    };
+    let Some(fast) = fast_gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(12);
     let (heads, kv, d, past, n) = (24, 4, 256, 3000, 64);
-    let s = AttentionShape {
-        num_heads: heads,
-        num_kv_heads: kv,
-        head_dim: d,
-        scale: (d as f32).powf(-0.5),
-    };
+    let s = attention_shape(heads, kv, d);
     // Scores spread over a few units (a peaked softmax), as in a trained model.
     let q = r.vec(n * heads * d, 2.0);
     let k = r.vec((past + n) * kv * d, 2.0);
@@ -518,12 +523,7 @@ fn fast_attention_stays_near_exact() {
         .data;
     // BF16 inputs move each score by about 2^-8 of its size and each probability by 2^-8
     // relative; the output, a weighted mean of values in [-1, 1], moves by well under 2%.
-    let scale = want.iter().map(|v| v.abs()).fold(0.0, f32::max);
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let (worst, scale) = deviation(&got, &want);
     println!(
         "fast BF16 attention past {past} n {n}: max |Δ| {worst:.2e} of output scale {scale:.2e}"
     );
@@ -542,12 +542,7 @@ fn attention_plans_all_match_cpu() {
     let c = CpuBackend::new();
     let mut r = Rng(9);
     let (heads, kv, d, past, n) = (12, 2, 64, 300, 40);
-    let s = AttentionShape {
-        num_heads: heads,
-        num_kv_heads: kv,
-        head_dim: d,
-        scale: (d as f32).powf(-0.5),
-    };
+    let s = attention_shape(heads, kv, d);
     let q = r.vec(n * heads * d, 1.0);
     let k = r.vec((past + n) * kv * d, 1.0);
     let v = r.vec((past + n) * kv * d, 1.0);

@@ -188,6 +188,15 @@ struct Inner {
     staging: Mutex<staging::TransferStaging>,
 }
 
+/// cuBLAS's name for "transpose this operand" or not.
+fn blas_op(transpose: bool) -> blas_sys::cublasOperation_t {
+    if transpose {
+        blas_sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        blas_sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
 struct BlasHandle(blas_sys::cublasHandle_t);
 // SAFETY: the handle is only used under its mutex, on the backend's one stream.
 unsafe impl Send for BlasHandle {}
@@ -939,13 +948,7 @@ impl CudaBackend {
         c: (u64, usize),
         compute: blas_sys::cublasComputeType_t,
     ) {
-        let op = |t| {
-            if t {
-                blas_sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas_sys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
+        let op = blas_op;
         let beta = 0f32;
         self.queue_work();
         let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");
@@ -1464,13 +1467,7 @@ impl CudaBackend {
         batch: usize,
         compute: blas_sys::cublasComputeType_t,
     ) {
-        let op = |t| {
-            if t {
-                blas_sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas_sys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
+        let op = blas_op;
         let beta = 0f32;
         self.queue_work();
         let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");

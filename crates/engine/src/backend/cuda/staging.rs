@@ -52,6 +52,18 @@ struct Stage {
     done: drv_sys::CUevent,
 }
 
+impl Stage {
+    /// Waits until the last copy that used this stage's buffer has finished, so the buffer can
+    /// be reused (upload) or read (download).
+    fn wait(&self) -> Result<()> {
+        // SAFETY: the event belongs to this stage (recorded, or never: then it returns at once).
+        check(
+            unsafe { drv_sys::cuEventSynchronize(self.done) },
+            "waiting for a staged copy",
+        )
+    }
+}
+
 enum Buffers {
     NotYet,
     Ready([Stage; 2]),
@@ -157,11 +169,7 @@ impl TransferStaging {
         for (i, piece) in src.chunks(STAGE_BYTES).enumerate() {
             let st = &stages[next];
             next ^= 1;
-            // SAFETY: the event belongs to this stage; waiting makes its buffer free to reuse.
-            check(
-                unsafe { drv_sys::cuEventSynchronize(st.done) },
-                "waiting for a staged copy",
-            )?;
+            st.wait()?;
             // SAFETY: the stage holds STAGE_BYTES ≥ piece.len() bytes and no copy reads it now.
             let host = unsafe { std::slice::from_raw_parts_mut(st.host, piece.len()) };
             parallel_copy(host, piece, threads);
@@ -202,11 +210,7 @@ impl TransferStaging {
         // The piece copied last, still to be moved out of its stage: (stage, dst piece).
         let mut pending: Option<(usize, &mut [u8])> = None;
         let drain = |stage: &Stage, out: &mut [u8]| -> Result<()> {
-            // SAFETY: the event was recorded after this stage's copy.
-            check(
-                unsafe { drv_sys::cuEventSynchronize(stage.done) },
-                "waiting for a staged copy",
-            )?;
+            stage.wait()?;
             // SAFETY: the copy into the stage has finished; it holds `out.len()` bytes.
             let host = unsafe { std::slice::from_raw_parts(stage.host, out.len()) };
             parallel_copy(out, host, threads);
@@ -216,11 +220,7 @@ impl TransferStaging {
             let s = next;
             next ^= 1;
             let st = &stages[s];
-            // Any earlier use of this stage was drained (or was an upload, awaited here).
-            check(
-                unsafe { drv_sys::cuEventSynchronize(st.done) },
-                "waiting for a staged copy",
-            )?;
+            st.wait()?;
             let from = src + (i * STAGE_BYTES) as u64;
             // SAFETY: `from..from+len` lies inside `src` (the caller's guarantee); the stage
             // holds STAGE_BYTES bytes.
