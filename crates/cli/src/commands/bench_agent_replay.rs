@@ -703,6 +703,14 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     let (dropped_files, dropped_bytes) =
         capy_engine::cache::disk::drop_from_page_cache(offload.path())?;
     let disk_cold = stream(srv.addr, &agent.id, &resume).await?;
+    // A third session's long first prompt (two thirds of the target context, sharing no prefix
+    // with A or B) with the cache on, then again with it off below: what the cache's
+    // snapshots cost a cold start.
+    let cold_words = ((a.target_context * 2 / 3) as f64 / tokens_per_word) as usize;
+    let cold_body = json!({"model": "agent-replay", "max_tokens": a.decode_tokens, "stream": true,
+        "temperature": 0, "system": "Cold start: a new project.",
+        "messages": [{"role": "user", "content": tool_result(99, cold_words)}]});
+    let cold_on = stream(srv.addr, "agent-c", &cold_body).await?;
 
     // The same loaded model without a cache: lookups and captures off, the RAM tier emptied,
     // disk offload off.
@@ -717,6 +725,7 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
     let off_wall = t0.elapsed().as_secs_f64();
     // The same resume prompt, recomputed.
     let recompute = stream(srv.addr, &agent.id, &resume).await?;
+    let cold_off = stream(srv.addr, "agent-c", &cold_body).await?;
     drop(prefix_cache);
     drop(srv);
 
@@ -761,6 +770,10 @@ async fn run_async(a: BenchAgentReplayArgs) -> Result<Value> {
                           "note": "posix_fadvise(DONTNEED) on every entry file first: read from the disk"},
             "recompute": {"ttft_ms": recompute.ttft_s * 1e3, "cached_tokens": recompute.cached_tokens},
         },
+        "cold_first_turn": {"prompt_tokens": cold_on.prompt_tokens,
+                            "cache_on_ttft_ms": cold_on.ttft_s * 1e3, "cache_off_ttft_ms": cold_off.ttft_s * 1e3,
+                            "note": "a new session's first prompt, no shared prefix: the cost of the cache's snapshots"},
+        "cold_first_turn_cache_on_over_off_ratio": ratio(cold_on.ttft_s, cold_off.ttft_s),
         "cache_status_after": {"budgets": status["budgets"]["prefix_cache"], "use": status["use"]["prefix_cache"],
                                "sessions": status["sessions"], "hits": status["prefix_cache"]["hits"],
                                "misses": status["prefix_cache"]["misses"]},

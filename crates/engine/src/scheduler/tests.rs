@@ -582,3 +582,18 @@ fn parked_sequences_stay_within_their_limits_least_recently_used_out() {
     assert_eq!(c.entries_of("small").last().map(|e| e.0), Some(20));
     assert_eq!(c.entries_of("huge").last().map(|e| e.0), Some(700));
 }
+
+#[test]
+fn shared_snapshots_are_regular_then_at_doublings() {
+    // The defaults: 64-token blocks, a snapshot every 32 blocks (2048 tokens).
+    let at = |t| super::shared_capture_at(t, 64, 32);
+    let taken: Vec<usize> = (1..=1024).map(|b| b * 64).filter(|&t| at(t)).collect();
+    assert_eq!(taken, [2048, 4096, 6144, 8192, 16384, 32768, 65536]);
+    assert!(!at(0));
+    // Small caches (tests, tiny models) keep every spacing up to the threshold.
+    let small: Vec<usize> = (1..=20)
+        .map(|b| b * 16)
+        .filter(|&t| super::shared_capture_at(t, 16, 2))
+        .collect();
+    assert_eq!(small, [32, 64, 96, 128, 160, 192, 224, 256, 288, 320]);
+}

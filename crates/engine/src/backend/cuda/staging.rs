@@ -20,8 +20,9 @@ use std::sync::Arc;
 pub(super) const STAGED_MIN_BYTES: usize = 1 << 20;
 /// Bytes of each of the two staging buffers.
 const STAGE_BYTES: usize = 32 << 20;
-/// Pieces below this are copied by the calling thread alone (starting threads costs more).
-const PARALLEL_MIN_BYTES: usize = 8 << 20;
+/// Pieces below this are copied by the calling thread alone (starting threads costs more than
+/// it saves). A fresh destination page-faults as it is filled, which several threads do faster.
+const PARALLEL_MIN_BYTES: usize = 1 << 20;
 
 fn check(r: drv_sys::CUresult, what: &str) -> Result<()> {
     if r == drv_sys::CUresult::CUDA_SUCCESS {
