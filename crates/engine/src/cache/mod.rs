@@ -8,7 +8,9 @@
 //! keys, GDN conv and recurrent states, PLE n-gram context, whatever the model writes).
 //!
 //! **Capture.** The scheduler stores an entry at block boundaries within prefill (every
-//! `capture_every_blocks` blocks, and always at the last boundary before the prompt's end, so
+//! `capture_every_blocks` blocks up to 8192 tokens and at doublings of that spacing beyond,
+//! since each entry copies the whole state; and always at the last boundary before the
+//! prompt's end, so
 //! the next turn hits even when its re-rendered history differs in the last few tokens) and
 //! at the end of every turn (prompt plus generated tokens). A request resumes from the deepest
 //! entry whose tokens are a prefix of its prompt (leaving at least one token to compute).
@@ -71,7 +73,9 @@ use std::time::Duration;
 pub struct CacheConfig {
     /// Tokens per block of the index; prefill chunks end on block boundaries.
     pub block_tokens: usize,
-    /// Within prefill, a snapshot every this many blocks (besides the last boundary).
+    /// Within prefill, a snapshot every this many blocks up to
+    /// [`crate::scheduler::REGULAR_CAPTURE_TOKENS`], then at doublings (besides the last
+    /// boundary).
     pub capture_every_blocks: usize,
     /// RAM tier budget.
     pub ram_bytes: usize,
