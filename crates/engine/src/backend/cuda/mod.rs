@@ -42,7 +42,7 @@ const QMV8_WARPS: usize = 16;
 /// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
 /// split-KV kernel.
 const ATTENTION_GEMM_MIN_ROWS: usize = 16;
-/// How prefill attention through cuBLAS is cut up ([`CudaBackend::attention_gemm_with`]).
+/// How prefill attention through cuBLAS is cut up (`CudaBackend::attention_gemm_with`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionGemmPlan {
     /// Query heads of one key/value head per batched GEMM.
