@@ -95,6 +95,7 @@ __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* 
 #define MOE_Q_DISPATCH(CALL)                                        \
     switch (fmt) {                                                  \
         case QF_NVFP4: CALL(QF_NVFP4); break;                       \
+        case QF_NVFP4R: CALL(QF_NVFP4R); break;                     \
         case QF_Q8_0: CALL(QF_Q8_0); break;                         \
         case QF_IQ3_S: CALL(QF_IQ3_S); break;                       \
         case QF_IQ3_XXS: CALL(QF_IQ3_XXS); break;                   \

@@ -16,6 +16,11 @@
 #define QF_IQ2_XS 5
 #define QF_Q2_0 6
 #define QF_FP8 7
+// NVFP4 repacked for the GPU (backend/cuda/nvfp4_records.rs): each row a run of 1024-weight
+// records, 64 E4M3 scales (one per 16 weights) then 512 code bytes (byte k: weights 2k, 2k+1),
+// so that a warp reads a record's codes as 32 consecutive 16-byte loads.
+#define QF_NVFP4R 8
+#define NVFP4R_RECORD 576
 
 #define QMV_RPW 4
 
@@ -24,7 +29,7 @@ __device__ __forceinline__ float qf16(const unsigned char* p) {
 }
 
 __device__ __forceinline__ int qf_block_len(int fmt) {
-    return fmt == QF_Q8_0 ? 32 : fmt == QF_NVFP4 ? 64 : fmt == QF_Q2_0 ? 64 : fmt == QF_FP8 ? 128 : 256;
+    return fmt == QF_Q8_0 ? 32 : fmt == QF_NVFP4 ? 64 : fmt == QF_Q2_0 ? 64 : fmt == QF_FP8 ? 128 : fmt == QF_NVFP4R ? 1024 : 256;
 }
 __device__ __forceinline__ int qf_block_bytes(int fmt) {
     switch (fmt) {
@@ -34,6 +39,7 @@ __device__ __forceinline__ int qf_block_bytes(int fmt) {
         case QF_IQ3_XXS: return 98;
         case QF_IQ2_XS: return 74;
         case QF_Q2_0: return 18;
+        case QF_NVFP4R: return NVFP4R_RECORD;
         default: return 132;
     }
 }
@@ -50,6 +56,17 @@ __device__ __forceinline__ void qdecode8(const unsigned char* row, int g, float*
         const u32 codes = *(const u32*)(b + 4 + 4 * sub);
         // E2M1 from registers instead of a table: twice the magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}
         // as bytes, picked by __byte_perm; the sign is bit 3. Same values as QT_E2M1.
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const u32 c = (codes >> (4 * j)) & 15;
+            const float m = (float)__byte_perm(0x03020100u, 0x0C080604u, c & 7) * 0.5f;
+            w[j] = (c & 8 ? -m : m) * s;
+        }
+    } else if (FMT == QF_NVFP4R) {
+        const unsigned char* rec = row + (g >> 7) * NVFP4R_RECORD;
+        const int gi = g & 127;
+        const float s = __uint_as_float(QT_E4M3[rec[gi >> 1]]);
+        const u32 codes = *(const u32*)(rec + 64 + 4 * gi);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const u32 c = (codes >> (4 * j)) & 15;
@@ -173,6 +190,7 @@ __device__ __forceinline__ void quant_matvec_any(int fmt, const unsigned char* w
                                                  int out, u64 row_bytes, float mult) {
     switch (fmt) {
         case QF_NVFP4: quant_matvec_impl<QF_NVFP4, ROWS>(w, x, y, in, out, row_bytes, mult); break;
+        case QF_NVFP4R: quant_matvec_impl<QF_NVFP4R, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_Q8_0: quant_matvec_impl<QF_Q8_0, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_IQ3_S: quant_matvec_impl<QF_IQ3_S, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_IQ3_XXS: quant_matvec_impl<QF_IQ3_XXS, ROWS>(w, x, y, in, out, row_bytes, mult); break;
@@ -228,6 +246,7 @@ extern "C" __global__ void quant_dequant_rows(int fmt, const unsigned char* w, c
                                               int cols, u64 row_bytes, float mult, void* out, int out_bf16) {
     switch (fmt) {
         case QF_NVFP4: dequant_rows_impl<QF_NVFP4>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
+        case QF_NVFP4R: dequant_rows_impl<QF_NVFP4R>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_Q8_0: dequant_rows_impl<QF_Q8_0>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_IQ3_S: dequant_rows_impl<QF_IQ3_S>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_IQ3_XXS: dequant_rows_impl<QF_IQ3_XXS>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
@@ -467,3 +486,133 @@ extern "C" __global__ void quant_matvec_iq3s_q8(const unsigned char* w, const fl
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fast-path decode matvec for NVFP4 records (QF_NVFP4R), one input row. x is quantized once per
+// matvec by quantize_x_q8r into global memory (int8 per 32 values, two 16-byte planes so that a
+// warp's 16-byte reads are consecutive; read through L1 by every warp), so the matvec blocks
+// need no shared memory, no barrier and no prologue: they issue weight loads at once.
+// Each lane takes 32 weights (one 16-byte load of codes, 2 scale bytes) of a record per row.
+// E2M1 → int8 uses one table for magnitudes: a nibble with its sign bit set selects a byte in
+// prmt's sign-replicate mode, which gives 0 for the (non-negative) table, so
+//   w·x = dp4a(|w| where w ≥ 0, x) − dp4a(|w| where w < 0, x),
+// the second from the codes with their sign bits flipped: 4 prmt, 2 shifts, 1 xor and 4 dp4a
+// per 8 weights, no sign merge.
+
+// x [in] → xq (plane A: values 32c..32c+15 at 16c; plane B at in/2 + 16c: 32c+16..32c+31),
+// xs[c] = amax/127 of group c. One thread per group of 32; in % 32 == 0.
+extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char* xq, float* xs) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= (in >> 5)) return;
+    const float4* xp = (const float4*)(x + 32 * (u64)c);
+    float v[32];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float4 a = xp[k];
+        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    u32 packed[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        u32 word = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) word |= ((u32)__float2int_rn(v[4 * e + j] * inv) & 255u) << (8 * j);
+        packed[e] = word;
+    }
+    *(uint4*)(xq + 16 * (u64)c) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *(uint4*)(xq + (in >> 1) + 16 * (u64)c) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    xs[c] = amax / 127.0f;
+}
+
+// prmt.b32 in its generic mode: a selector nibble with bit 3 set yields the selected byte's
+// sign replicated (written as asm so that no intrinsic masks the selector to 3 bits).
+__device__ __forceinline__ u32 prmt_sx(u32 lo, u32 hi, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+    return r;
+}
+
+// Two E4M3 scales (low byte first) as f32.
+__device__ __forceinline__ float2 e4m3x2_to_f32(u32 two) {
+#if __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((u16)two));
+    return make_float2(f16_to_f32((u16)(h2 & 0xFFFFu)), f16_to_f32((u16)(h2 >> 16)));
+#else
+    return make_float2(__uint_as_float(QT_E4M3[two & 255u]), __uint_as_float(QT_E4M3[(two >> 8) & 255u]));
+#endif
+}
+
+// 32 weights (codes: 4 words, nibble j of word i = weight 8i + j; scales: 2 E4M3) against 32
+// int8 x values (xa: 0..15, xb: 16..31): Σ w·x / xs, in units of half an E2M1 step.
+__device__ __forceinline__ float nvfp4r_chunk_dot(uint4 codes, u32 scales, uint4 xa, uint4 xb) {
+    const u32 mag_lo = 0x03020100u, mag_hi = 0x0C080604u;  // twice {0, .5, 1, 1.5, 2, 3, 4, 6}
+    const u32 q[4] = {codes.x, codes.y, codes.z, codes.w};
+    const u32 xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int pos[2] = {0, 0}, neg[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 n = q[i] ^ 0x88888888u;
+        pos[i >> 1] = dp4a_s32((int)prmt_sx(mag_lo, mag_hi, q[i]), (int)xv[2 * i], pos[i >> 1]);
+        pos[i >> 1] = dp4a_s32((int)prmt_sx(mag_lo, mag_hi, q[i] >> 16), (int)xv[2 * i + 1], pos[i >> 1]);
+        neg[i >> 1] = dp4a_s32((int)prmt_sx(mag_lo, mag_hi, n), (int)xv[2 * i], neg[i >> 1]);
+        neg[i >> 1] = dp4a_s32((int)prmt_sx(mag_lo, mag_hi, n >> 16), (int)xv[2 * i + 1], neg[i >> 1]);
+    }
+    const float2 s = e4m3x2_to_f32(scales);
+    return (float)(pos[0] - neg[0]) * s.x + (float)(pos[1] - neg[1]) * s.y;
+}
+
+// y[out] = mult · W[out, in] · x with W in NVFP4 records (in % 1024 == 0), x from
+// quantize_x_q8r. Each warp takes RPW consecutive rows per pass, grid-stride over warps; any
+// block of whole warps.
+template <int RPW>
+__device__ __forceinline__ void nvfp4r_q8_impl(const unsigned char* w, const unsigned char* xq, const float* xs,
+                                               float* y, int in, int out, u64 row_bytes, float mult) {
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    const int records = in >> 10;
+    const uint4* xa_plane = (const uint4*)xq;
+    const uint4* xb_plane = (const uint4*)(xq + (in >> 1));
+    for (int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW; row0 < out; row0 += warps * RPW) {
+        float acc[RPW];
+#pragma unroll
+        for (int o = 0; o < RPW; o++) acc[o] = 0.0f;
+#pragma unroll 2
+        for (int r = 0; r < records; r++) {
+            const int c = 32 * r + lane;
+            uint4 codes[RPW];
+            u32 sc[RPW];
+#pragma unroll
+            for (int o = 0; o < RPW; o++) {
+                const int row = min(row0 + o, out - 1);
+                const unsigned char* rec = w + (u64)row * row_bytes + (u64)r * NVFP4R_RECORD;
+                codes[o] = __ldg((const uint4*)(rec + 64) + lane);
+                sc[o] = __ldg((const u16*)rec + lane);
+            }
+            const uint4 xa = __ldg(xa_plane + c), xb = __ldg(xb_plane + c);
+            const float xscale = __ldg(xs + c);
+#pragma unroll
+            for (int o = 0; o < RPW; o++) acc[o] += nvfp4r_chunk_dot(codes[o], sc[o], xa, xb) * xscale;
+        }
+#pragma unroll
+        for (int o = 0; o < RPW; o++) {
+            const float s = warp_sum(acc[o]);
+            // 0.5: the int8 table holds twice the E2M1 values.
+            if (lane == 0 && row0 + o < out) y[row0 + o] = s * mult * 0.5f;
+        }
+    }
+}
+
+#define NVFP4R_Q8(RPW)                                                                                  \
+    extern "C" __global__ void quant_matvec_nvfp4r_q8_##RPW(const unsigned char* w, const unsigned char* xq, \
+                                                            const float* xs, float* y, int in, int out,     \
+                                                            u64 row_bytes, float mult) {                    \
+        nvfp4r_q8_impl<RPW>(w, xq, xs, y, in, out, row_bytes, mult);                                        \
+    }
+NVFP4R_Q8(1)
+NVFP4R_Q8(2)
+NVFP4R_Q8(4)

@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(got.data(), y1, s.rows * 4, cudaMemcpyDeviceToHost));
             char kn[96]; snprintf(kn, sizeof kn, "engine q8 rpw=%d blocks=%d", rpw, blocks);
             emit(kn, fname, s.rows, s.in, bytes, ms, maxrel(got, ref));
-            run_variants(fmt, fname, w, x, y1, s.rows, s.in, rb, bytes, ref, tm, emit);
+            run_variants(fmt, fname, hw, x, y1, s.rows, s.in, rb, bytes, ref, tm, emit);
             cudaFree(w);
         }
     }

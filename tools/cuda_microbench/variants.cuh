@@ -1,206 +1,89 @@
-// Experimental variants of the NVFP4 int8 decode matvec, compared with the engine's kernels by
-// quant_matvec_bench.cu. A variant that wins moves into kernels/quant_matvec.cu.
+// Variants of the NVFP4 int8 decode matvec, compared with the engine's kernels by
+// quant_matvec_bench.cu. Session 8 measured prefetching and pre-quantizing x on the 36-byte
+// block layout (bench/results/quant-matvec-microbench-h200box.json, the first run); this file
+// measures the record layout (QF_NVFP4R, kernels/quant_matvec.cu): block count, rows per warp
+// and warps per block, against the same access pattern with no arithmetic.
 
-// The engine kernel's access pattern with no arithmetic: is it the loads or the decode?
-extern "C" __global__ void probe_nvfp4_loads(const unsigned char* w, const float* x, float* y, int in, int out,
-                                             u64 row_bytes, float mult, int rpw) {
-    const int spr = in >> 8;
+// Blocks (36 bytes: 4 scales, 32 code bytes, per 64 weights) → records (64 scales, 512 code
+// bytes, per 1024 weights), row by row: the engine's repack (backend/cuda/nvfp4_records.rs).
+static std::vector<unsigned char> to_records(const std::vector<unsigned char>& blocks, int rows, int in) {
+    std::vector<unsigned char> out(blocks.size());
+    const u64 rb = (u64)in / 64 * 36;
+    for (int r = 0; r < rows; r++)
+        for (int rec = 0; rec < in / 1024; rec++) {
+            unsigned char* o = out.data() + r * rb + rec * 576;
+            for (int b = 0; b < 16; b++) {
+                const unsigned char* src = blocks.data() + r * rb + (rec * 16 + b) * 36;
+                memcpy(o + 4 * b, src, 4);
+                memcpy(o + 64 + 32 * b, src + 4, 32);
+            }
+        }
+    return out;
+}
+
+// The record kernel's loads (codes and scales, RPW rows per warp) with no decode.
+template <int RPW>
+__global__ void probe_records_loads(const unsigned char* w, float* y, int in, int out, u64 row_bytes) {
     const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * (blockDim.x >> 5);
-    for (int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpw; row0 < out; row0 += warps * rpw) {
-        const int nrows = min(rpw, out - row0);
+    for (int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RPW; row0 < out; row0 += warps * RPW) {
         u32 acc = 0;
-        const uint4* base = (const uint4*)(w + (u64)row0 * row_bytes);
-        for (int t = lane; t < nrows * spr; t += 32) {
+        for (int r = 0; r < (in >> 10); r++)
 #pragma unroll
-            for (int k = 0; k < 9; k++) { uint4 v = base[(u64)t * 9 + k]; acc ^= v.x ^ v.y ^ v.z ^ v.w; }
-        }
+            for (int o = 0; o < RPW; o++) {
+                const unsigned char* rec = w + (u64)min(row0 + o, out - 1) * row_bytes + (u64)r * 576;
+                const uint4 v = __ldg((const uint4*)(rec + 64) + lane);
+                acc ^= v.x ^ v.y ^ v.z ^ v.w ^ __ldg((const u16*)rec + lane);
+            }
         if (acc == 0x12345u) y[row0] = (float)acc;
     }
 }
 
-// Decode of one 144-byte super-block (4 NVFP4 blocks, 256 weights) against int8 x.
-__device__ __forceinline__ float nvfp4_sb_dot(const u32* wd, const unsigned char* xb, const float* xsb, const float* e4m3) {
-    float p = 0.0f;
-#pragma unroll
-    for (int b = 0; b < 4; b++) {
-        const u32 sc = wd[9 * b];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float part = 0.0f;
-#pragma unroll
-            for (int sub2 = 0; sub2 < 2; sub2++) {
-                const int sub = 2 * h + sub2;
-                const int2 a = e2m1x8_to_i8(wd[9 * b + 1 + 2 * sub]);
-                const int2 c = e2m1x8_to_i8(wd[9 * b + 2 + 2 * sub]);
-                const uint4 xv = *(const uint4*)(xb + 64 * b + 16 * sub);
-                int isum = dp4a_s32(a.x, (int)xv.x, 0);
-                isum = dp4a_s32(a.y, (int)xv.y, isum);
-                isum = dp4a_s32(c.x, (int)xv.z, isum);
-                isum = dp4a_s32(c.y, (int)xv.w, isum);
-                part += (float)isum * e4m3[(sc >> (8 * sub)) & 255];
-            }
-            p += part * xsb[2 * b + h];
-        }
-    }
-    return p;
-}
-
-// Pipelined: every lane keeps the next super-block's 9 loads in flight while it decodes the
-// current one; one row per warp pass of `rpw` rows as before; grid-stride (persistent grid).
-extern "C" __global__ void nvfp4_q8_pipe(const unsigned char* w, const float* x, float* y, int in, int out,
-                                         u64 row_bytes, float mult, int rpw) {
-    extern __shared__ __align__(16) unsigned char qsm[];
-    const int spr = in >> 8;
-    unsigned char* xq = qsm;
-    float* xs = (float*)(qsm + spr * QX_STRIDE);
-    float* e4m3 = xs + spr * QS_STRIDE;
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) e4m3[i] = __uint_as_float(QT_E4M3[i]);
-    quantize_x_q8(x, in, xq, xs, true);
-    __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int warps = gridDim.x * (blockDim.x >> 5);
-    for (int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpw; row0 < out; row0 += warps * rpw) {
-        const int nrows = min(rpw, out - row0);
-        const int tasks = nrows * spr;
-        float acc[8];
-#pragma unroll
-        for (int o = 0; o < 8; o++) acc[o] = 0.0f;
-        const uint4* base = (const uint4*)(w + (u64)row0 * row_bytes);
-        uint4 cur[9], nxt[9];
-        int t = lane;
-        if (t < tasks) {
-#pragma unroll
-            for (int k = 0; k < 9; k++) cur[k] = base[(u64)t * 9 + k];
-        }
-        for (; t < tasks; t += 32) {
-            const int tn = t + 32;
-            if (tn < tasks) {
-#pragma unroll
-                for (int k = 0; k < 9; k++) nxt[k] = base[(u64)tn * 9 + k];
-            }
-            const int o = t / spr, s = t - o * spr;
-            const float p = nvfp4_sb_dot((const u32*)cur, xq + s * QX_STRIDE, xs + s * QS_STRIDE, e4m3);
-#pragma unroll
-            for (int oo = 0; oo < 8; oo++)
-                if (oo == o) acc[oo] += p;
-#pragma unroll
-            for (int k = 0; k < 9; k++) cur[k] = nxt[k];
-        }
-#pragma unroll
-        for (int oo = 0; oo < 8; oo++) {
-            if (oo < nrows) {
-                const float s = warp_sum(acc[oo]);
-                if (lane == 0) y[row0 + oo] = s * mult * 0.5f;
-            }
-        }
-    }
-}
-
-// x quantized once by a separate kernel (into global memory, the shared layout), so that the
-// matvec blocks start loading weights at once.
-extern "C" __global__ void quantize_x_global(const float* x, int in, unsigned char* xq, float* xs) {
-    quantize_x_q8(x, in, xq, xs, true);
-}
-
-// As nvfp4_q8_pipe, but x comes pre-quantized from global memory (copied to shared memory
-// with 16-byte loads), no per-block quantization.
-extern "C" __global__ void nvfp4_q8_pre(const unsigned char* w, const unsigned char* xq_g, const float* xs_g, float* y,
-                                        int in, int out, u64 row_bytes, float mult, int rpw) {
-    extern __shared__ __align__(16) unsigned char qsm[];
-    const int spr = in >> 8;
-    unsigned char* xq = qsm;
-    float* xs = (float*)(qsm + spr * QX_STRIDE);
-    float* e4m3 = xs + spr * QS_STRIDE;
-    const int lane = threadIdx.x & 31;
-    const int warps = gridDim.x * (blockDim.x >> 5);
-    const int row_first = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * rpw;
-    // Issue this warp's first weight loads before waiting on the shared-memory fill.
-    uint4 cur[9], nxt[9];
-    {
-        const int nrows = row_first < out ? min(rpw, out - row_first) : 0;
-        const uint4* base = (const uint4*)(w + (u64)row_first * row_bytes);
-        if (lane < nrows * spr) {
-#pragma unroll
-            for (int k = 0; k < 9; k++) cur[k] = base[(u64)lane * 9 + k];
-        }
-    }
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) e4m3[i] = __uint_as_float(QT_E4M3[i]);
-    for (int i = threadIdx.x; i < spr * QX_STRIDE / 16; i += blockDim.x) ((uint4*)xq)[i] = ((const uint4*)xq_g)[i];
-    for (int i = threadIdx.x; i < spr * QS_STRIDE; i += blockDim.x) xs[i] = xs_g[i];
-    __syncthreads();
-    for (int row0 = row_first; row0 < out; row0 += warps * rpw) {
-        const int nrows = min(rpw, out - row0);
-        const int tasks = nrows * spr;
-        float acc[8];
-#pragma unroll
-        for (int o = 0; o < 8; o++) acc[o] = 0.0f;
-        const uint4* base = (const uint4*)(w + (u64)row0 * row_bytes);
-        const int next_row0 = row0 + warps * rpw;
-        for (int t = lane; t < tasks; t += 32) {
-            const int tn = t + 32;
-            if (tn < tasks) {
-#pragma unroll
-                for (int k = 0; k < 9; k++) nxt[k] = base[(u64)tn * 9 + k];
-            } else if (next_row0 < out && lane < min(rpw, out - next_row0) * spr) {
-                const uint4* nb = (const uint4*)(w + (u64)next_row0 * row_bytes);
-#pragma unroll
-                for (int k = 0; k < 9; k++) nxt[k] = nb[(u64)lane * 9 + k];
-            }
-            const int o = t / spr, s = t - o * spr;
-            const float p = nvfp4_sb_dot((const u32*)cur, xq + s * QX_STRIDE, xs + s * QS_STRIDE, e4m3);
-#pragma unroll
-            for (int oo = 0; oo < 8; oo++)
-                if (oo == o) acc[oo] += p;
-#pragma unroll
-            for (int k = 0; k < 9; k++) cur[k] = nxt[k];
-        }
-#pragma unroll
-        for (int oo = 0; oo < 8; oo++) {
-            if (oo < nrows) {
-                const float s = warp_sum(acc[oo]);
-                if (lane == 0) y[row0 + oo] = s * mult * 0.5f;
-            }
-        }
-    }
-}
-
 template <class Emit>
-void run_variants(int fmt, const char* fname, unsigned char* w, float* x, float* y, int rows, int in, u64 rb,
-                  double bytes, const std::vector<float>& ref, Timer& tm, Emit emit) {
-    if (fmt != QF_NVFP4) return;
-    const int spr = in / 256;
-    const int smem = spr * (272 + 48) + 1024;
+void run_variants(int fmt, const char* fname, const std::vector<unsigned char>& hw, float* x, float* y, int rows,
+                  int in, u64 rb, double bytes, const std::vector<float>& ref, Timer& tm, Emit emit) {
+    if (fmt != QF_NVFP4 || in % 1024) return;
+    std::vector<unsigned char> hr = to_records(hw, rows, in);
+    unsigned char* w; CK(cudaMalloc(&w, hr.size())); CK(cudaMemcpy(w, hr.data(), hr.size(), cudaMemcpyHostToDevice));
+    unsigned char* xq; float* xs;
+    CK(cudaMalloc(&xq, in)); CK(cudaMalloc(&xs, in / 32 * 4));
     std::vector<float> got(rows);
     auto check = [&] { CK(cudaGetLastError()); CK(cudaMemcpy(got.data(), y, rows * 4, cudaMemcpyDeviceToHost)); return maxrel(got, ref); };
-    unsigned char* xq; float* xs;
-    CK(cudaMalloc(&xq, spr * QX_STRIDE)); CK(cudaMalloc(&xs, spr * QS_STRIDE * 4));
-    for (int rpw : {1, 2, 4, 8}) {
-        for (int warps_pb : {4, 8}) {  // 16 warps: the pipelined variant runs out of registers
-            int warps = (rows + rpw - 1) / rpw;
-            int full = (warps + warps_pb - 1) / warps_pb;
-            for (int bps : {0, 2, 4, 8}) {  // 0: one warp pass (engine), else persistent blocks per SM
+    // The exact f32 kernel on records must equal the one on blocks bit for bit.
+    quant_matvec_1<<<(rows + 31) / 32, 256>>>(QF_NVFP4R, w, x, y, in, rows, rb, 1.0f);
+    { double e = check(); char kn[64]; snprintf(kn, sizeof kn, "records quant_matvec_1 (exact) err=%g", e);
+      float ms = tm.ms([&] { quant_matvec_1<<<(rows + 31) / 32, 256>>>(QF_NVFP4R, w, x, y, in, rows, rb, 1.0f); });
+      emit(kn, fname, rows, in, bytes, ms, e); }
+    {
+        float ms = tm.ms([&] { quantize_x_q8r<<<(in / 32 + 127) / 128, 128>>>(x, in, xq, xs); });
+        emit("quantize_x_q8r alone", fname, rows, in, in * 4.0, ms, 0);
+    }
+    for (int wpb : {4, 8, 16}) {
+        for (int bps : {0, 4, 8, 16}) {  // 0: one warp pass over the rows, else blocks per SM
+            auto launch = [&](auto kernel, int rpw, bool quantize) {
+                int warps = (rows + rpw - 1) / rpw;
+                int full = (warps + wpb - 1) / wpb;
                 int blocks = bps ? std::min(full, sms * bps) : full;
+                if (bps && blocks == full) return;
+                float ms = tm.ms([&] {
+                    if (quantize) quantize_x_q8r<<<(in / 32 + 127) / 128, 128>>>(x, in, xq, xs);
+                    kernel<<<blocks, 32 * wpb>>>(w, xq, xs, y, in, rows, rb, 1.0f);
+                });
                 char kn[128];
-                if (bps == 0 || blocks < full) {
-                    CK(cudaFuncSetAttribute(probe_nvfp4_loads, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                    float ms = tm.ms([&] { probe_nvfp4_loads<<<blocks, 32 * warps_pb, 0>>>(w, x, y, in, rows, rb, 1.0f, rpw); });
-                    snprintf(kn, sizeof kn, "probe loads-only rpw=%d wpb=%d blocks=%d", rpw, warps_pb, blocks);
-                    emit(kn, fname, rows, in, bytes, ms, 0);
-                    CK(cudaFuncSetAttribute(nvfp4_q8_pipe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                    ms = tm.ms([&] { nvfp4_q8_pipe<<<blocks, 32 * warps_pb, smem>>>(w, x, y, in, rows, rb, 1.0f, rpw); });
-                    snprintf(kn, sizeof kn, "pipe rpw=%d wpb=%d blocks=%d", rpw, warps_pb, blocks);
-                    emit(kn, fname, rows, in, bytes, ms, check());
-                    CK(cudaFuncSetAttribute(nvfp4_q8_pre, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                    ms = tm.ms([&] {
-                        quantize_x_global<<<1, 256>>>(x, in, xq, xs);
-                        nvfp4_q8_pre<<<blocks, 32 * warps_pb, smem>>>(w, xq, xs, y, in, rows, rb, 1.0f, rpw);
-                    });
-                    snprintf(kn, sizeof kn, "pre+quantize rpw=%d wpb=%d blocks=%d", rpw, warps_pb, blocks);
-                    emit(kn, fname, rows, in, bytes, ms, check());
-                }
+                snprintf(kn, sizeof kn, "records q8%s rpw=%d wpb=%d blocks=%d", quantize ? "+quantize" : "", rpw, wpb, blocks);
+                emit(kn, fname, rows, in, bytes, ms, check());
+            };
+            launch(quant_matvec_nvfp4r_q8_1, 1, true);
+            launch(quant_matvec_nvfp4r_q8_2, 2, true);
+            launch(quant_matvec_nvfp4r_q8_4, 4, true);
+            launch(quant_matvec_nvfp4r_q8_2, 2, false);
+            int warps = (rows + 1) / 2, full = (warps + wpb - 1) / wpb, blocks = bps ? std::min(full, sms * bps) : full;
+            if (!bps || blocks < full) {
+                float ms = tm.ms([&] { probe_records_loads<2><<<blocks, 32 * wpb>>>(w, y, in, rows, rb); });
+                char kn[128]; snprintf(kn, sizeof kn, "probe records loads-only rpw=2 wpb=%d blocks=%d", wpb, blocks);
+                emit(kn, fname, rows, in, bytes, ms, 0);
             }
         }
     }
-    cudaFree(xq); cudaFree(xs);
+    cudaFree(w); cudaFree(xq); cudaFree(xs);
 }

@@ -371,10 +371,14 @@ fn quantized_linear_matches_cpu_dequantized_reference() {
     .enumerate()
     {
         // 37 rows: not a multiple of the rows a warp takes (4) nor of a block's (32).
-        for (out, inp) in [(37, 512), (130, 2560)] {
+        for (out, inp) in [(37, 512), (130, 2560), (70, 2048)] {
             let blocks = random_blocks(fmt, out * inp / fmt.block_len(), 100 + i as u64);
             let mult = if fmt == RowFormat::Nvfp4 { 0.0125 } else { 1.0 };
             let mc = c.quant_matrix(fmt, out, inp, &blocks, mult).unwrap();
+            // NVFP4 as records at 2048 columns, in the checkpoint's blocks elsewhere.
+            let records = inp == 2048;
+            g.set_nvfp4_records(records);
+            fast.set_nvfp4_records(records);
             let mg = g.quant_matrix(fmt, out, inp, &blocks, mult).unwrap();
             if !matches!(fmt, RowFormat::Ggml(G::BF16)) {
                 assert_eq!(

@@ -399,6 +399,35 @@ pub(super) fn greedy_steps(
     Ok((step_s, t_all.elapsed().as_secs_f64()))
 }
 
+/// `CAPY_PROFILE_DECODE_STEPS=N`: N more eager decode steps between cuProfilerStart and
+/// cuProfilerStop, so that a profiler started with its capture off (`ncu --profile-from-start
+/// off`) sees exactly one decode step's kernels per step, without the load and the prefill.
+fn profile_decode(
+    backend: &CudaBackend,
+    model: &mut dyn CausalLm,
+    seq: crate::model::SeqId,
+    next: &mut u32,
+    graphs_default: bool,
+) -> Result<usize> {
+    let steps = match std::env::var("CAPY_PROFILE_DECODE_STEPS") {
+        Ok(v) => v.parse::<usize>().with_context(|| {
+            format!("CAPY_PROFILE_DECODE_STEPS must be a step count, found {v:?}")
+        })?,
+        Err(_) => return Ok(0),
+    };
+    backend.set_cuda_graphs(false)?;
+    backend.synchronize()?;
+    // SAFETY: no arguments; the profiler API only marks the capture range.
+    unsafe { drv_sys::cuProfilerStart() }.result()?;
+    let run = greedy_steps(model, seq, next, steps);
+    backend.synchronize()?;
+    // SAFETY: as above.
+    unsafe { drv_sys::cuProfilerStop() }.result()?;
+    backend.set_cuda_graphs(graphs_default)?;
+    run?;
+    Ok(steps)
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
@@ -577,6 +606,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let roof_tok_s = copy_bw / weight_bytes_per_token as f64;
     let roof_with_state = copy_bw / (weight_bytes_per_token + kv_bytes + state_bytes) as f64;
 
+    let profiled_steps = profile_decode(&backend, &mut model, seq, &mut next, graphs_default)?;
     drop(model);
     let ops = op_timings(&backend, &c, opts.context, opts.quant)?;
     // Per-step time beyond streaming the weights at the measured bandwidth, spread over the
@@ -667,6 +697,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "graph_record_ms_per_token": (graphs_after.record_ns - graphs_before.record_ns) as f64 / 1e6 / opts.decode_steps.max(1) as f64,
             "graph_flush_ms_per_token": (graphs_after.flush_ns - graphs_before.flush_ns) as f64 / 1e6 / opts.decode_steps.max(1) as f64,
             "graph_last_update_refusal": graphs_after.last_update_refusal,
+            "profiled_steps": profiled_steps,
             "peer_llama_cpp_q4_k_tokens_per_s": 86.7,
             "ratio_to_peer_llama_cpp_q4_k": decode_tok_s / 86.7,
         },

@@ -76,6 +76,12 @@ fn quant_functions() -> Vec<String> {
     v.extend(["moe_q_gate_up".into(), "moe_q_down".into()]);
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
+    v.push("quantize_x_q8r".into());
+    v.extend(
+        (1..=4)
+            .filter(|r| *r != 3)
+            .map(|r| format!("quant_matvec_nvfp4r_q8_{r}")),
+    );
     v
 }
 

@@ -19,6 +19,7 @@ pub mod flash_next;
 pub mod graph;
 mod host_pin;
 pub mod kernels;
+mod nvfp4_records;
 mod staging;
 
 use super::cpu::experts::format::RowFormat;
@@ -39,6 +40,10 @@ pub const MATVEC_MAX_ROWS: usize = 8;
 const QMV8_MAX_COLS: usize = 32768;
 /// Warps per block of the int8 decode matvec (each block quantizes x once for all of them).
 const QMV8_WARPS: usize = 16;
+/// Rows per warp and warps per block of the NVFP4 records matvec (kernels/quant_matvec.cu
+/// `quant_matvec_nvfp4r_q8_*`; tools/cuda_microbench measures the alternatives).
+const NVFP4R_ROWS_PER_WARP: usize = 2;
+const NVFP4R_WARPS: usize = 8;
 /// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
 /// split-KV kernel.
 const ATTENTION_GEMM_MIN_ROWS: usize = 16;
@@ -178,6 +183,8 @@ struct Inner {
     matrix_elems: AtomicU64,
     /// Benchmarks only: replace uploaded projection matrices by random blocks of this format.
     synthetic_quant: Mutex<Option<RowFormat>>,
+    /// NVFP4 matrices uploaded from now on are repacked into records (nvfp4_records.rs).
+    nvfp4_records: std::sync::atomic::AtomicBool,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
     graphs: graph::GraphRecorder,
     /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
@@ -363,12 +370,18 @@ struct QuantLayout {
     multiplier: f32,
 }
 
+/// kernels/quant_matvec.cu `QF_NVFP4`: NVFP4 in the checkpoint's 36-byte blocks.
+const QF_NVFP4: i32 = 2;
+/// kernels/quant_matvec.cu `QF_NVFP4R`: NVFP4 repacked into records at upload
+/// (backend/cuda/nvfp4_records.rs).
+const QF_NVFP4R: i32 = 8;
+
 /// The quant_matvec.cu code of a block format, if the kernels decode it.
 fn quant_code(format: RowFormat) -> Option<i32> {
     use crate::quant::GgmlType as G;
     Some(match format {
         RowFormat::Ggml(G::Q8_0) => 1,
-        RowFormat::Nvfp4 => 2,
+        RowFormat::Nvfp4 => QF_NVFP4,
         RowFormat::Ggml(G::Iq3S) => 3,
         RowFormat::Ggml(G::Iq3Xxs) => 4,
         RowFormat::Ggml(G::Iq2Xs) => 5,
@@ -600,6 +613,7 @@ impl CudaBackend {
                 launches: AtomicU64::new(0),
                 matrix_elems: AtomicU64::new(0),
                 synthetic_quant: Mutex::new(None),
+                nvfp4_records: std::sync::atomic::AtomicBool::new(nvfp4_records::enabled_by_env()),
                 graphs: graph::GraphRecorder::new(graph::graphs_requested()),
                 sync_allocated: Mutex::new(HashSet::new()),
             }),
@@ -628,6 +642,12 @@ impl CudaBackend {
     /// embedding, the LM head or a conv filter, with whole blocks per row) is replaced by random
     /// valid blocks of `format`, scaled to an RMS of 0.01 like the synthetic BF16 weights, and
     /// kept quantized. `None` uploads weights as given.
+    /// Repack NVFP4 matrices uploaded from now on into records for the records matvec
+    /// (default: `CAPY_NVFP4_RECORDS=1`); matrices already uploaded keep their layout.
+    pub fn set_nvfp4_records(&self, on: bool) {
+        self.inner.nvfp4_records.store(on, Ordering::Relaxed);
+    }
+
     pub fn set_synthetic_quant(&self, format: Option<RowFormat>) {
         *self.inner.synthetic_quant.lock().expect("poisoned") = format;
     }
@@ -1065,23 +1085,50 @@ impl CudaBackend {
         }
     }
 
-    /// The int8 (dp4a) decode matvec for one input row on the fast path, where the format and
-    /// shape allow it: (kernel, dynamic shared bytes, rows per warp). Exact math, several rows,
-    /// ragged widths and unaligned rows keep the f32 kernels.
+    /// Whether the int8 (dp4a) decode matvecs may take `x · wᵀ`: the fast path, one input
+    /// row, whole 256-weight super-blocks. Exact math and several rows keep the f32 kernels.
+    fn fast_single_row(&self, x: &CudaTensor, w: &CudaMatrix) -> bool {
+        !self.inner.exact && x.rows == 1 && w.cols.is_multiple_of(256) && w.cols <= QMV8_MAX_COLS
+    }
+
+    /// `out = x · wᵀ` for one row of x and NVFP4 records: x quantized to int8 once (into a
+    /// scratch buffer every warp reads through L1), then the records matvec, `NVFP4R_ROWS_PER_WARP`
+    /// rows a warp, one pass of warps over the rows.
+    fn nvfp4_records_matvec(
+        &self,
+        x: &CudaTensor,
+        w: &CudaMatrix,
+        q: QuantLayout,
+        out: &CudaTensor,
+    ) {
+        let groups = w.cols / 32;
+        // Plane A and B (cols bytes), then a scale per group of 32.
+        let scratch = self.alloc(w.cols + groups * 4, "int8 activations");
+        let scales = scratch.ptr + w.cols as u64;
+        launch!(self, "quantize_x_q8r", (ceil_div(groups, 128) as u32, 1, 1), (128, 1, 1), 0;
+            x.ptr(), w.cols as i32, scratch.ptr, scales);
+        let rpw = NVFP4R_ROWS_PER_WARP;
+        let blocks = ceil_div(ceil_div(w.rows, rpw), NVFP4R_WARPS);
+        launch!(self, &format!("quant_matvec_nvfp4r_q8_{rpw}"), (blocks as u32, 1, 1), (32 * NVFP4R_WARPS as u32, 1, 1), 0;
+            w.buf.ptr, scratch.ptr, scales, out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
+    }
+
+    /// The int8 (dp4a) decode matvec on the checkpoint's block layouts for one input row on
+    /// the fast path, where the format and shape allow it: (kernel, dynamic shared bytes, rows
+    /// per warp). Ragged widths and unaligned rows keep the f32 kernels.
     fn int8_matvec_plan(
         &self,
         x: &CudaTensor,
         w: &CudaMatrix,
         q: QuantLayout,
     ) -> Option<(&'static str, u32, i32)> {
-        if self.inner.exact || x.rows != 1 || !w.cols.is_multiple_of(256) || w.cols > QMV8_MAX_COLS
-        {
+        if !self.fast_single_row(x, w) {
             return None;
         }
         let spr = w.cols / 256;
         use crate::quant::GgmlType as G;
         let (name, sb_bytes, table_bytes) = match q.format {
-            RowFormat::Nvfp4 => ("quant_matvec_nvfp4_q8", 144, 1024),
+            RowFormat::Nvfp4 if q.code == QF_NVFP4 => ("quant_matvec_nvfp4_q8", 144, 1024),
             // Grid table, sign masks and one 32-block staging buffer per warp.
             RowFormat::Ggml(G::Iq3S) => {
                 ("quant_matvec_iq3s_q8", 110, 2048 + 64 + QMV8_WARPS * 3520)
@@ -1617,7 +1664,16 @@ impl Backend for CudaBackend {
         self.inner
             .matrix_elems
             .fetch_add((rows * cols) as u64, Ordering::Relaxed);
-        self.htod(buf.ptr, blocks);
+        let code = if code == QF_NVFP4
+            && nvfp4_records::applies(cols)
+            && self.inner.nvfp4_records.load(Ordering::Relaxed)
+        {
+            self.htod(buf.ptr, &nvfp4_records::to_records(blocks, cols));
+            QF_NVFP4R
+        } else {
+            self.htod(buf.ptr, blocks);
+            code
+        };
         Ok(CudaMatrix {
             rows,
             cols,
@@ -1814,7 +1870,13 @@ impl Backend for CudaBackend {
             let zeros = self.zeros(x.rows, w.rows);
             return zeros;
         }
-        if let Some((name, smem, rpw)) = w.quant.and_then(|q| self.int8_matvec_plan(x, w, q)) {
+        if let Some(q) = w
+            .quant
+            .filter(|q| q.code == QF_NVFP4R && self.fast_single_row(x, w))
+        {
+            self.nvfp4_records_matvec(x, w, q, &out);
+        } else if let Some((name, smem, rpw)) = w.quant.and_then(|q| self.int8_matvec_plan(x, w, q))
+        {
             let q = w.quant.expect("checked");
             let warps = ceil_div(w.rows, rpw as usize);
             launch!(self, name, (ceil_div(warps, QMV8_WARPS) as u32, 1, 1), (32 * QMV8_WARPS as u32, 1, 1), smem;
