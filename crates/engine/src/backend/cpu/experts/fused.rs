@@ -86,6 +86,20 @@ pub struct ActSpec {
     /// IQ3_S on AVX-512 with VBMI + BITALG: the grid is decoded with in-register byte
     /// permutes instead of gathers, which wants its own activation order (see [`Self::slot`]).
     pub iq3s_shuffle: bool,
+    /// IQ3_S without the shuffle decode: grid entries fetched with `vpgatherdd` (true) or with
+    /// eight scalar loads (false, the default; see [`iq3s_gather`]).
+    pub iq3s_gather: bool,
+}
+
+/// Whether the gather-decoded IQ3_S kernels use `vpgatherdd` for the grid (`CAPY_IQ3S_GATHER=1`)
+/// instead of eight scalar loads. Gathers are microcoded and, on Intel cores with the Gather
+/// Data Sampling mitigation, several times slower than the loads they replace; the scalar
+/// loads are the default, and the switch is there to measure both on a new machine.
+pub fn iq3s_gather() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("CAPY_IQ3S_GATHER").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+    })
 }
 
 /// Whether the CPU has AVX-512 VBMI (`vpermt2b`) and BITALG (`vpshufbitqmb`), which the
@@ -151,6 +165,7 @@ impl ActSpec {
             k,
             isa,
             iq3s_shuffle,
+            iq3s_gather: iq3s_gather(),
         }
     }
 
@@ -483,10 +498,12 @@ mod x86 {
             (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N>(row, k, a),
             (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512::<N>(row, k, a),
             (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2::<N>(row, k, a),
-            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2::<N>(row, k, a),
+            (_, Kind::Exact, IQ3S) if spec.iq3s_gather => iq3s_exact_avx2::<N, true>(row, k, a),
+            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2::<N, false>(row, k, a),
             (_, Kind::Exact, Q2_0) => q2_0_exact_avx2::<N>(row, k, a),
             (_, Kind::Fast, NVFP4) => nvfp4_fast_avx2::<N>(row, k, a),
-            (_, Kind::Fast, IQ3S) => iq3s_fast_avx2::<N>(row, k, a),
+            (_, Kind::Fast, IQ3S) if spec.iq3s_gather => iq3s_fast_avx2::<N, true>(row, k, a),
+            (_, Kind::Fast, IQ3S) => iq3s_fast_avx2::<N, false>(row, k, a),
             (_, Kind::Fast, Q2_0) => q2_0_fast_avx2::<N>(row, k, a),
             _ => unreachable!("no fused kernel for {:?}", spec),
         }
@@ -559,6 +576,39 @@ mod x86 {
             _mm256_set1_epi32(1),
         );
         _mm256_or_si256(low, _mm256_slli_epi32::<8>(high))
+    }
+
+    /// The 8 grid entries (4 magnitude bytes each) of IQ3_S sub-block `sub`: one `vpgatherdd`
+    /// (`GATHER`) or eight scalar loads into a vector.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn iq3s_mags_avx2<const GATHER: bool>(p: *const u8, sub: usize) -> __m256i {
+        if GATHER {
+            return _mm256_i32gather_epi32::<4>(
+                IQ3S_GRID.as_ptr() as *const i32,
+                iq3s_idx_avx2(p, sub),
+            );
+        }
+        let qs = p.add(2 + 8 * sub);
+        let qh = *p.add(66 + sub) as usize;
+        let g = |j: usize| {
+            *IQ3S_GRID.get_unchecked(*qs.add(j) as usize | (((qh >> j) & 1) << 8)) as i32
+        };
+        _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7))
+    }
+
+    /// `d · (1 + 2·s)` for the 8 sub-blocks of an IQ3_S block (lane = sub-block), the same
+    /// products as [`iq3s_db`].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn iq3s_db_lanes_avx2(p: *const u8, d: f32) -> __m256 {
+        let nibbles = _mm256_set1_epi32((p.add(106) as *const u32).read_unaligned() as i32);
+        let s = _mm256_and_si256(
+            _mm256_srlv_epi32(nibbles, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+            _mm256_set1_epi32(15),
+        );
+        let odd = _mm256_add_epi32(_mm256_slli_epi32::<1>(s), _mm256_set1_epi32(1));
+        _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(odd))
     }
 
     #[inline]
@@ -757,16 +807,17 @@ mod x86 {
     // ---- IQ3_S --------------------------------------------------------------------------
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq3s_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+    unsafe fn iq3s_exact_avx2<const N: usize, const GATHER: bool>(
+        row: *const u8,
+        k: usize,
+        a: [P; N],
+    ) -> [f32; N] {
         let mut acc = [_mm256_setzero_ps(); N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
             let d = f16(p);
             for sub in 0..8 {
-                let mags = _mm256_i32gather_epi32::<4>(
-                    IQ3S_GRID.as_ptr() as *const i32,
-                    iq3s_idx_avx2(p, sub),
-                );
+                let mags = iq3s_mags_avx2::<GATHER>(p, sub);
                 // Signs applied to the 32 weight bytes at once (two ops), then each 8 bytes
                 // sign-extended and converted: fewer ops than a sign per f32 lane.
                 let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
@@ -855,24 +906,31 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq3s_fast_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+    unsafe fn iq3s_fast_avx2<const N: usize, const GATHER: bool>(
+        row: *const u8,
+        k: usize,
+        a: [P; N],
+    ) -> [f32; N] {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
-            let d = f16(p);
+            // Weight scale × activation scale for all 8 sub-blocks at once (lane = sub-block),
+            // each sub-block's broadcast by a lane permute.
+            let db = iq3s_db_lanes_avx2(p, f16(p));
+            let mut scales = [_mm256_setzero_ps(); N];
+            for t in 0..N {
+                scales[t] = _mm256_mul_ps(db, _mm256_loadu_ps(a[t].s.add(8 * blk)));
+            }
             for sub in 0..8 {
-                let mags = _mm256_i32gather_epi32::<4>(
-                    IQ3S_GRID.as_ptr() as *const i32,
-                    iq3s_idx_avx2(p, sub),
-                );
+                let mags = iq3s_mags_avx2::<GATHER>(p, sub);
                 let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
-                let db = iq3s_db(p, d, sub);
+                let lane = _mm256_set1_epi32(sub as i32);
                 for t in 0..N {
                     let x = _mm256_loadu_si256(a[t].q.add(256 * blk + 32 * sub) as *const __m256i);
                     let xs = _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg);
                     let i = _mm256_madd_epi16(_mm256_maddubs_epi16(mags, xs), ones);
-                    let sc = _mm256_set1_ps(db * *a[t].s.add(8 * blk + sub));
+                    let sc = _mm256_permutevar8x32_ps(scales[t], lane);
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, acc[t]);
                 }
             }
@@ -1284,7 +1342,51 @@ mod tests {
             eprintln!("skipping: this CPU lacks AVX-512 VBMI/BITALG/VNNI");
             return;
         }
-        let k = 1024;
+        for path in [MathPath::Exact, MathPath::Fast] {
+            let outs: Vec<Vec<f32>> = [true, false]
+                .into_iter()
+                .map(|shuffle| {
+                    let mut spec = ActSpec::new(Isa::Avx512, path, IQ3S, 1024);
+                    assert!(spec.iq3s_shuffle);
+                    spec.iq3s_shuffle = shuffle;
+                    iq3s_dots(&spec)
+                })
+                .collect();
+            for (i, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                // Same integer (fast) or float (exact) terms, summed in another order.
+                assert!(
+                    (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0),
+                    "{}: [{i}] shuffle {a} vs gather {b}",
+                    path.name()
+                );
+            }
+        }
+    }
+
+    /// The AVX2 IQ3_S kernels fetch the same grid entries with `vpgatherdd` or scalar loads:
+    /// bit-identical results.
+    #[test]
+    fn iq3s_scalar_grid_loads_match_the_gathers() {
+        if Isa::best_supported() < Isa::Avx2 {
+            eprintln!("skipping: this CPU lacks AVX2");
+            return;
+        }
+        for path in [MathPath::Exact, MathPath::Fast] {
+            let outs: Vec<Vec<f32>> = [true, false]
+                .into_iter()
+                .map(|gather| {
+                    let mut spec = ActSpec::new(Isa::Avx2, path, IQ3S, 1024);
+                    spec.iq3s_gather = gather;
+                    iq3s_dots(&spec)
+                })
+                .collect();
+            assert_eq!(outs[0], outs[1], "{}: gathers vs scalar loads", path.name());
+        }
+    }
+
+    /// `spec` (IQ3_S, k = 1024) on 5 random gate rows and 3 random activations.
+    fn iq3s_dots(spec: &ActSpec) -> Vec<f32> {
+        let k = spec.k;
         let layout = ExpertLayout::new(
             IQ3S,
             IQ3S,
@@ -1306,41 +1408,25 @@ mod tests {
         let xs: Vec<Vec<f32>> = (0..3)
             .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
             .collect();
-        for path in [MathPath::Exact, MathPath::Fast] {
-            let mut outs = Vec::new();
-            for shuffle in [true, false] {
-                let mut spec = ActSpec::new(Isa::Avx512, path, IQ3S, k);
-                assert!(spec.iq3s_shuffle);
-                spec.iq3s_shuffle = shuffle;
-                let sl = ActSpec::scales_len(k);
-                let mut bufs: Vec<ActBuffers> = (0..xs.len())
-                    .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
-                    .collect();
-                for (x, b) in xs.iter().zip(bufs.iter_mut()) {
-                    prepare(&spec, x, &mut b.0, &mut b.1, &mut b.2, &mut b.3);
-                }
-                let acts: Vec<Act<'_>> = bufs
-                    .iter()
-                    .map(|b| Act {
-                        f: &b.0,
-                        q: &b.1,
-                        s: &b.2,
-                        sums: &b.3,
-                    })
-                    .collect();
-                let mut out = vec![0f32; rows * xs.len()];
-                dots(&spec, &bytes, rb, &acts, &mut out, &mut vec![0f32; k]);
-                outs.push(out);
-            }
-            for (i, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
-                // Same integer (fast) or float (exact) terms, summed in another order.
-                assert!(
-                    (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1.0),
-                    "{}: [{i}] shuffle {a} vs gather {b}",
-                    path.name()
-                );
-            }
+        let sl = ActSpec::scales_len(k);
+        let mut bufs: Vec<ActBuffers> = (0..xs.len())
+            .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
+            .collect();
+        for (x, b) in xs.iter().zip(bufs.iter_mut()) {
+            prepare(spec, x, &mut b.0, &mut b.1, &mut b.2, &mut b.3);
         }
+        let acts: Vec<Act<'_>> = bufs
+            .iter()
+            .map(|b| Act {
+                f: &b.0,
+                q: &b.1,
+                s: &b.2,
+                sums: &b.3,
+            })
+            .collect();
+        let mut out = vec![0f32; rows * xs.len()];
+        dots(spec, &bytes, rb, &acts, &mut out, &mut vec![0f32; k]);
+        out
     }
 
     /// Every fused kernel against the scalar reference, on random rows, for 1–7 activations.
