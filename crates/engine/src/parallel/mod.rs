@@ -30,6 +30,11 @@ pub const MAILBOX_TOKENS: usize = 256;
 /// Sums one activation across the ranks, in place. One per rank.
 pub trait RankExchange<B: Backend>: Send {
     fn all_reduce(&mut self, b: &B, x: &mut B::Act) -> Result<()>;
+    /// Called at the end of every forward pass: an exchange that runs in stream order (the
+    /// CUDA mapped mailbox) reports here a step that failed after `all_reduce` returned.
+    fn finish(&mut self, _b: &B) -> Result<()> {
+        Ok(())
+    }
     /// Fails every rank's exchange (a rank that hit an error calls this so the others stop).
     fn abort(&self, reason: &str);
 }
@@ -83,17 +88,22 @@ pub fn load<B: Backend>(
     ck: &Checkpoint,
     timeout: Duration,
 ) -> Result<Box<dyn CausalLm>> {
-    let ranks = backends.len();
+    let exchanges = host_exchanges(backends.len(), ck.config.hidden_size, timeout)?;
+    load_with(backends, exchanges, ck)
+}
+
+/// As [`load`], with the exchanges given (one per rank, in rank order).
+pub fn load_with<B: Backend>(
+    backends: Vec<B>,
+    exchanges: Vec<Box<dyn RankExchange<B>>>,
+    ck: &Checkpoint,
+) -> Result<Box<dyn CausalLm>> {
     match ck.config.architecture {
         Architecture::Qwen3_5Text => Ok(Box::new(qwen3_5::TpQwen3_5Text::load(
-            backends,
-            host_exchanges(ranks, ck.config.hidden_size, timeout)?,
-            ck,
+            backends, exchanges, ck,
         )?)),
         Architecture::Qwen4ExpText => Ok(Box::new(qwen4_exp::TpQwen4ExpText::load(
-            backends,
-            host_exchanges(ranks, ck.config.hidden_size, timeout)?,
-            ck,
+            backends, exchanges, ck,
         )?)),
     }
 }
@@ -134,16 +144,32 @@ pub fn load_tp(ck: &Checkpoint, ranks: usize, devices: &TpDevices) -> Result<Box
             exchange::DEFAULT_TIMEOUT,
         ),
         #[cfg(feature = "cuda")]
-        TpDevices::Cuda { vram_budget } => load(
-            cuda_backends(ranks, *vram_budget)?,
-            ck,
-            exchange::DEFAULT_TIMEOUT,
-        ),
+        TpDevices::Cuda { vram_budget } => {
+            let backends = cuda_backends(ranks, *vram_budget)?;
+            let exchanges = cuda_exchanges(&backends, ck.config.hidden_size)?;
+            load_with(backends, exchanges, ck)
+        }
         #[cfg(not(feature = "cuda"))]
         TpDevices::Cuda { .. } => {
             bail!("--tp {ranks} on CUDA: this build has no CUDA backend (built without the cuda feature)")
         }
     }
+}
+
+/// The exchanges of CUDA ranks as the startup probe chooses them ([`cuda::exchanges`]), with
+/// the choice and its figures on stderr.
+#[cfg(feature = "cuda")]
+fn cuda_exchanges(
+    backends: &[crate::backend::cuda::CudaBackend],
+    hidden: usize,
+) -> Result<Vec<Box<dyn RankExchange<crate::backend::cuda::CudaBackend>>>> {
+    let (exchanges, probe) = cuda::exchanges(backends, hidden, exchange::DEFAULT_TIMEOUT)?;
+    eprintln!(
+        "capy-flash: tensor-parallel exchange over {} ranks: {}",
+        backends.len(),
+        probe.note
+    );
+    Ok(exchanges)
 }
 
 /// CUDA GPUs `0..ranks`, one backend per rank, each within `vram_budget`.
@@ -178,10 +204,9 @@ pub fn load_tp_hybrid(
             ck.config.architecture.model_type()
         );
     }
+    let backends = cuda_backends(ranks, vram_budget)?;
+    let exchanges = cuda_exchanges(&backends, ck.config.hidden_size)?;
     Ok(Box::new(qwen4_exp::load_hybrid(
-        cuda_backends(ranks, vram_budget)?,
-        host_exchanges(ranks, ck.config.hidden_size, exchange::DEFAULT_TIMEOUT)?,
-        ck,
-        o,
+        backends, exchanges, ck, o,
     )?))
 }

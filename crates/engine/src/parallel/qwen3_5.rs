@@ -287,6 +287,7 @@ impl<B: Backend> Rank<B> {
             let hidden = b.rms_norm(&b.cat_rows(&rows), &self.norm, eps, NormScale::OnePlus, hsz);
             b.to_host(&b.linear(&hidden, &self.head))
         };
+        self.exchange.finish(b)?;
         Ok(RankOutput { states, logits })
     }
 }

@@ -503,6 +503,7 @@ impl<B: Backend> Rank<B> {
             let (hidden, _) = self.final_mixer.read(b, &b.cat_rows(&wanted));
             b.to_host(&b.linear(&hidden, &self.head))
         };
+        self.exchange.finish(b)?;
         Ok(RankOutput { states, logits })
     }
 }

@@ -95,7 +95,7 @@ pub fn sources() -> Vec<KernelSource> {
         include_str!("../../../../../kernels/quant_matvec.cu"),
         include_str!("../../../../../kernels/moe_quant.cu")
     );
-    let files: [(&str, &str, Vec<String>); 6] = [
+    let files: [(&str, &str, Vec<String>); 7] = [
         (
             "elementwise",
             include_str!("../../../../../kernels/elementwise.cu"),
@@ -151,6 +151,13 @@ pub fn sources() -> Vec<KernelSource> {
                 .to_vec(),
         ),
         ("quant_matvec", &quant_body, quant_functions()),
+        (
+            "mailbox",
+            include_str!("../../../../../kernels/mailbox.cu"),
+            ["mailbox_write", "mailbox_signal", "mailbox_wait_sum"]
+                .map(String::from)
+                .to_vec(),
+        ),
     ];
     files
         .into_iter()

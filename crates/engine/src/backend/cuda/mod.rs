@@ -19,6 +19,7 @@ pub mod flash_next;
 pub mod graph;
 mod host_pin;
 pub mod kernels;
+pub mod mailbox;
 mod nvfp4_records;
 mod staging;
 
