@@ -165,6 +165,56 @@ async fn get_model(
     Json(model_json(&state))
 }
 
+/// The expert cache figures of each GPU (tensor parallelism splits the cache across the
+/// cards) as labelled series, one family per figure.
+fn write_per_device_expert_cache(
+    out: &mut String,
+    by_device: &[(usize, capy_engine::hybrid::expert_cache::ExpertCacheMetrics)],
+) {
+    if by_device.is_empty() {
+        return;
+    }
+    type Figure = fn(&capy_engine::hybrid::expert_cache::ExpertCacheMetrics) -> u64;
+    let families: [(&str, &str, &str, Figure); 5] = [
+        (
+            "expert_cache_device_lookups_total",
+            "counter",
+            "Routed (token, expert) pairs looked up in this GPU's expert cache.",
+            |m| m.stats.lookups,
+        ),
+        (
+            "expert_cache_device_hits_total",
+            "counter",
+            "Of those, computed by an expert resident on this GPU.",
+            |m| m.stats.hits,
+        ),
+        (
+            "expert_cache_device_bytes_copied_total",
+            "counter",
+            "Host-to-device bytes of expert copies to this GPU.",
+            |m| m.bytes_copied,
+        ),
+        (
+            "expert_cache_device_resident",
+            "gauge",
+            "Experts resident on this GPU now.",
+            |m| m.resident as u64,
+        ),
+        (
+            "expert_cache_device_slots",
+            "gauge",
+            "Experts this GPU's cache can hold.",
+            |m| m.slots as u64,
+        ),
+    ];
+    for (name, kind, help, figure) in families {
+        let _ = writeln!(out, "# HELP capy_{name} {help}\n# TYPE capy_{name} {kind}");
+        for (device, m) in by_device {
+            let _ = writeln!(out, "capy_{name}{{device=\"{device}\"}} {}", figure(m));
+        }
+    }
+}
+
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let m = state.scheduler.metrics();
     let mut out = String::new();
@@ -326,6 +376,8 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     ] {
         let _ = writeln!(out, "capy_http_requests_total{{api=\"{api}\"}} {}", r(c));
     }
+    let by_device = capy_engine::hybrid::expert_cache::expert_cache_metrics_by_device();
+    write_per_device_expert_cache(&mut out, &by_device);
     (
         [(
             header::CONTENT_TYPE,
@@ -376,4 +428,46 @@ pub async fn serve(
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_device_expert_cache_series_carry_the_device_label() {
+        use capy_engine::hybrid::expert_cache::ExpertCacheMetrics;
+        let mut a = ExpertCacheMetrics::default();
+        a.stats.hits = 7;
+        a.slots = 3;
+        let mut b = ExpertCacheMetrics::default();
+        b.stats.hits = 2;
+        b.resident = 1;
+        let mut out = String::new();
+        write_per_device_expert_cache(&mut out, &[(0, a), (1, b)]);
+        assert!(
+            out.contains("capy_expert_cache_device_hits_total{device=\"0\"} 7\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("capy_expert_cache_device_hits_total{device=\"1\"} 2\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("capy_expert_cache_device_slots{device=\"0\"} 3\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("capy_expert_cache_device_resident{device=\"1\"} 1\n"),
+            "{out}"
+        );
+        assert_eq!(
+            out.matches("# TYPE capy_expert_cache_device_hits_total counter")
+                .count(),
+            1
+        );
+        let mut empty = String::new();
+        write_per_device_expert_cache(&mut empty, &[]);
+        assert!(empty.is_empty());
+    }
 }

@@ -423,10 +423,16 @@ struct HotSetFile {
 }
 
 /// The expert caches of the loaded models, for `/metrics` (held weakly: a dropped model's
-/// cache leaves the sums), each with the bytes one expert copy moves.
-static METRICS_REGISTRY: Mutex<Vec<(Weak<Mutex<ExpertCache>>, usize)>> = Mutex::new(Vec::new());
+/// cache leaves the sums), each with the bytes one expert copy moves and the GPU it is on.
+static METRICS_REGISTRY: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
 
-/// Expert cache figures summed over the loaded models.
+struct Registered {
+    cache: Weak<Mutex<ExpertCache>>,
+    expert_bytes: usize,
+    device: usize,
+}
+
+/// Expert cache figures summed over the loaded models (or over one GPU's caches).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct ExpertCacheMetrics {
     pub stats: ExpertCacheStats,
@@ -436,32 +442,72 @@ pub struct ExpertCacheMetrics {
     pub bytes_copied: u64,
 }
 
-/// Makes `cache` visible to [`expert_cache_metrics`]; `expert_bytes` is one expert's copy size.
-pub fn register_for_metrics(cache: &Arc<Mutex<ExpertCache>>, expert_bytes: usize) {
+impl ExpertCacheMetrics {
+    fn add(&mut self, c: &ExpertCache, expert_bytes: usize) {
+        let s = c.stats();
+        self.stats.lookups += s.lookups;
+        self.stats.hits += s.hits;
+        self.stats.admissions += s.admissions;
+        self.stats.evictions += s.evictions;
+        self.stats.tokens += s.tokens;
+        self.resident += c.resident_count();
+        self.slots += c.config().slots;
+        self.bytes_copied += s.admissions * expert_bytes as u64;
+    }
+}
+
+/// Makes `cache` (on GPU `device`) visible to [`expert_cache_metrics`]; `expert_bytes` is one
+/// expert's copy size.
+pub fn register_for_metrics(cache: &Arc<Mutex<ExpertCache>>, expert_bytes: usize, device: usize) {
     let mut r = METRICS_REGISTRY.lock().expect("expert cache registry");
-    r.retain(|(w, _)| w.strong_count() > 0);
-    r.push((Arc::downgrade(cache), expert_bytes));
+    r.retain(|e| e.cache.strong_count() > 0);
+    r.push(Registered {
+        cache: Arc::downgrade(cache),
+        expert_bytes,
+        device,
+    });
 }
 
 /// The registered caches' figures summed, or `None` when no hybrid model is loaded.
 pub fn expert_cache_metrics() -> Option<ExpertCacheMetrics> {
+    let by_device = expert_cache_metrics_by_device();
+    (!by_device.is_empty()).then(|| {
+        let mut total = ExpertCacheMetrics::default();
+        for (_, m) in &by_device {
+            total.stats.lookups += m.stats.lookups;
+            total.stats.hits += m.stats.hits;
+            total.stats.admissions += m.stats.admissions;
+            total.stats.evictions += m.stats.evictions;
+            total.stats.tokens += m.stats.tokens;
+            total.resident += m.resident;
+            total.slots += m.slots;
+            total.bytes_copied += m.bytes_copied;
+        }
+        total
+    })
+}
+
+/// The registered caches' figures per GPU (tensor parallelism splits the cache across the
+/// cards), in device order; empty when no hybrid model is loaded.
+pub fn expert_cache_metrics_by_device() -> Vec<(usize, ExpertCacheMetrics)> {
     let r = METRICS_REGISTRY.lock().expect("expert cache registry");
-    let mut m: Option<ExpertCacheMetrics> = None;
-    for (w, expert_bytes) in r.iter() {
-        let Some(cache) = w.upgrade() else { continue };
+    let mut out: Vec<(usize, ExpertCacheMetrics)> = Vec::new();
+    for e in r.iter() {
+        let Some(cache) = e.cache.upgrade() else {
+            continue;
+        };
         let c = cache.lock().expect("expert cache");
-        let s = c.stats();
-        let t = m.get_or_insert_with(Default::default);
-        t.stats.lookups += s.lookups;
-        t.stats.hits += s.hits;
-        t.stats.admissions += s.admissions;
-        t.stats.evictions += s.evictions;
-        t.stats.tokens += s.tokens;
-        t.resident += c.resident_count();
-        t.slots += c.config().slots;
-        t.bytes_copied += s.admissions * *expert_bytes as u64;
+        let i = match out.iter().position(|(d, _)| *d == e.device) {
+            Some(i) => i,
+            None => {
+                out.push((e.device, ExpertCacheMetrics::default()));
+                out.len() - 1
+            }
+        };
+        out[i].1.add(&c, e.expert_bytes);
     }
-    m
+    out.sort_by_key(|(d, _)| *d);
+    out
 }
 
 #[cfg(test)]
@@ -474,7 +520,7 @@ mod tests {
             admit_margin: 0.0,
         };
         let cache = Arc::new(Mutex::new(ExpertCache::new(1, 4, config)));
-        register_for_metrics(&cache, 1000);
+        register_for_metrics(&cache, 1000, 0);
         {
             let mut c = cache.lock().unwrap();
             c.advance(1);
@@ -491,8 +537,25 @@ mod tests {
             (m.slots, m.resident),
             (2, cache.lock().unwrap().resident_count())
         );
+        // A second card's cache (tensor parallelism): listed apart, summed in the total.
+        let second = Arc::new(Mutex::new(ExpertCache::new(1, 4, config)));
+        register_for_metrics(&second, 1000, 1);
+        second.lock().unwrap().observe(0, &[3]);
+        let by_device = expert_cache_metrics_by_device();
+        assert_eq!(by_device.len(), 2);
+        assert_eq!((by_device[0].0, by_device[1].0), (0, 1));
+        assert_eq!(by_device[0].1.stats, s);
+        assert_eq!(by_device[1].1.stats, second.lock().unwrap().stats());
+        let total = expert_cache_metrics().unwrap();
+        assert_eq!(total.slots, 4);
+        assert_eq!(
+            total.stats.lookups,
+            s.lookups + second.lock().unwrap().stats().lookups
+        );
         drop(cache);
+        drop(second);
         assert_eq!(expert_cache_metrics(), None);
+        assert!(expert_cache_metrics_by_device().is_empty());
     }
 
     use super::*;

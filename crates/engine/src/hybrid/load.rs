@@ -270,7 +270,8 @@ pub fn load_flash_next<B: Backend>(
     let mut model = Qwen4ExpText::load_with_experts(backend, ck, Some(&mut make))?;
     if let Some(c) = &cache {
         model.set_expert_cache(c.clone());
-        super::expert_cache::register_for_metrics(c, expert_bytes);
+        // One card: device 0 of the metrics.
+        super::expert_cache::register_for_metrics(c, expert_bytes, 0);
     }
     let host_bytes: usize = sets.iter().map(|s| s.bytes()).sum();
     let mut report = report;

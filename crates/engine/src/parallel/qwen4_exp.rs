@@ -894,6 +894,8 @@ pub fn load_hybrid<B: Backend>(
     let mut model = TpQwen4ExpText::load_with_experts(backends, exchanges, ck, &mut make)?;
     for (rank, cache) in caches.into_iter().enumerate() {
         if let Some(c) = cache {
+            // Rank r runs on GPU r (parallel::cuda_backends).
+            crate::hybrid::expert_cache::register_for_metrics(&c, expert_bytes, rank);
             model.set_expert_cache(rank, c);
         }
     }
