@@ -106,6 +106,26 @@ fn bad_inputs_fail_cleanly() {
         &run(&["generate", "--model", fx, "--prompt", ""]),
         "prompt is empty",
     );
+    // bench gpu --tp: refused before any GPU is touched.
+    assert_clean_failure(
+        &run(&["bench", "gpu", "--tp-on-one-gpu"]),
+        "give --tp 2 or more",
+    );
+    assert_clean_failure(
+        &run(&["bench", "gpu", "--tp", "0"]),
+        "--tp must be at least 1",
+    );
+    assert_clean_failure(
+        &run(&[
+            "bench",
+            "gpu",
+            "--synthetic",
+            "qwen3.8-flash-next",
+            "--tp",
+            "2",
+        ]),
+        "splits the dense synthetic shape",
+    );
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(
         fx.to_string() + "/config.json",

@@ -38,6 +38,8 @@ fn synthetic_qwen3_8_27b() {
         context: env_usize("CAPY_BENCH_CONTEXT", 8192),
         decode_steps: env_usize("CAPY_BENCH_DECODE_STEPS", 32),
         seed: 1,
+        tp: 1,
+        tp_on_one_gpu: false,
     };
     let mut report = run_synthetic(&opts).unwrap_or_else(|e| panic!("{e:#}"));
     report["command"] = std::env::var("CAPY_BENCH_COMMAND")

@@ -33,6 +33,13 @@ pub struct BenchGpuArgs {
     /// Seed of the random weights and tokens.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Tensor-parallel ranks, one GPU each (devices 0..N), each within --vram-budget.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// With --tp: put every rank on --device (exercises and times the exchange on one card;
+    /// the speed is not that of N cards).
+    #[arg(long)]
+    pub tp_on_one_gpu: bool,
 }
 
 /// `123`, `15GiB`, `16GB`, `1.5 GiB`, `512MiB`, `64k` (binary suffixes are powers of 1024,
@@ -79,8 +86,24 @@ pub fn run(a: BenchGpuArgs) -> Result<Value> {
         context: a.context,
         decode_steps: a.decode_tokens,
         seed: a.seed,
+        tp: a.tp,
+        tp_on_one_gpu: a.tp_on_one_gpu,
     };
+    if a.tp == 0 {
+        anyhow::bail!("--tp must be at least 1");
+    }
+    if a.tp_on_one_gpu && a.tp == 1 {
+        anyhow::bail!(
+            "--tp-on-one-gpu places the ranks of --tp N on one card; give --tp 2 or more"
+        );
+    }
     let mut record = if a.synthetic == "qwen3.8-flash-next" {
+        if a.tp > 1 {
+            anyhow::bail!(
+                "--tp {}: the GPU bench splits the dense synthetic shape (qwen3.8-27b) so far; Flash-Next over several cards runs with its experts in RAM (bench hybrid)",
+                a.tp
+            );
+        }
         if opts.quant.is_some() {
             anyhow::bail!(
                 "--quant {}: the synthetic qwen3.8-flash-next GPU bench has BF16 weights only so far (use --quant bf16)",
@@ -89,6 +112,8 @@ pub fn run(a: BenchGpuArgs) -> Result<Value> {
         }
         // All experts on the GPU (64 per layer in BF16; see the record's "reduced_shape").
         capy_engine::backend::cuda::flash_next::run_synthetic_flash_next(&opts)?
+    } else if a.tp > 1 {
+        capy_engine::parallel::bench::run_synthetic_tp(&opts)?
     } else {
         run_synthetic(&opts)?
     };

@@ -8,6 +8,8 @@
 //! (Flash-Next); [`load`] builds either from one backend per rank.
 
 #[cfg(feature = "cuda")]
+pub mod bench;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod exchange;
 pub mod experts;

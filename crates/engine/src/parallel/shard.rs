@@ -218,6 +218,26 @@ pub enum Cut {
     Cols(Range<usize>),
 }
 
+impl Cut {
+    /// The shape a tensor of `shape` has after this cut.
+    pub fn shape(&self, shape: &[usize]) -> Vec<usize> {
+        let mut s = shape.to_vec();
+        match self {
+            Cut::Rows(r) => {
+                if let Some(first) = s.first_mut() {
+                    *first = r.iter().map(|r| r.len()).sum();
+                }
+            }
+            Cut::Cols(r) => {
+                if let Some(last) = s.last_mut() {
+                    *last = r.len();
+                }
+            }
+        }
+        s
+    }
+}
+
 /// Ranges of the first dimension of `t` (any rank of tensor), concatenated: rows of a matrix,
 /// elements of a vector, channels of a `[C, 1, K]` conv.
 pub fn slice_dim0(t: &HostTensor, ranges: &[Range<usize>]) -> Result<HostTensor> {

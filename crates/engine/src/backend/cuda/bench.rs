@@ -274,6 +274,10 @@ pub struct SyntheticBenchOptions {
     pub context: usize,
     pub decode_steps: usize,
     pub seed: u64,
+    /// Tensor-parallel ranks (`--tp`; 1: one card, [`run_synthetic`]).
+    pub tp: usize,
+    /// All ranks on `device` (tests the exchange; the speed is not that of `tp` cards).
+    pub tp_on_one_gpu: bool,
 }
 
 /// Where the bytes of a synthetic run will go, computed from the configuration before
@@ -317,41 +321,80 @@ pub fn plan_vram(
     context: usize,
     decode: usize,
 ) -> Result<VramPlan> {
-    let mut weights = 0u64;
-    for (name, shape) in crate::synthetic::tensors(c)? {
-        weights += match (shape.as_slice(), quant) {
-            ([rows, cols], Some(f)) if CudaBackend::synthetic_quant_applies(f, &name, *cols) => {
-                (rows * f.row_bytes(*cols)?) as u64
+    plan_vram_rank(c, quant, context, decode, 1, 0)
+}
+
+/// The plan of rank `rank` of `--tp ranks`: its shard of every layer matrix (the cuts of
+/// parallel/shard.rs), its rows of the head, the whole embedding and the norms; KV, states
+/// and workspace at its shard's head counts and MLP width.
+pub fn plan_vram_rank(
+    c: &TextConfig,
+    quant: Option<RowFormat>,
+    context: usize,
+    decode: usize,
+    ranks: usize,
+    rank: usize,
+) -> Result<VramPlan> {
+    let shards = crate::parallel::shard::plan(c, ranks)?;
+    let Some(shard) = shards.get(rank) else {
+        anyhow::bail!("rank {rank} does not exist in --tp {ranks}");
+    };
+    let matrix = |name: &str, rows: usize, cols: usize| -> Result<u64> {
+        Ok(match quant {
+            Some(f) if CudaBackend::synthetic_quant_applies(f, name, cols) => {
+                (rows * f.row_bytes(cols)?) as u64
             }
-            ([rows, cols], _) => (rows * cols * 2) as u64,
+            _ => (rows * cols * 2) as u64,
+        })
+    };
+    let mut weights = 0u64;
+    let mut has_head = false;
+    for (name, shape) in crate::synthetic::tensors(c)? {
+        let shape = if name.contains("layers.") {
+            shard
+                .cut(&name, c)
+                .map_or(shape.clone(), |cut| cut.shape(&shape))
+        } else if name == "lm_head.weight" {
+            has_head = true;
+            vec![shard.vocab.len(), shape[1]]
+        } else {
+            shape
+        };
+        weights += match shape.as_slice() {
+            [rows, cols] => matrix(&name, *rows, *cols)?,
             // Vectors (norm weights, per-head constants) are uploaded as f32.
-            (dims, _) => (dims.iter().product::<usize>() * 4) as u64,
+            dims => (dims.iter().product::<usize>() * 4) as u64,
         };
     }
-    let attn_layers = c
+    if !has_head && ranks > 1 {
+        // Tied embeddings: each rank also uploads its vocabulary rows of the embedding as head.
+        weights += matrix("lm_head.weight", shard.vocab.len(), c.hidden_size)?;
+    }
+    let sc = shard.config(c);
+    let attn_layers = sc
         .layer_types
         .iter()
         .filter(|t| **t == LayerType::FullAttention)
         .count();
-    let gdn_layers = c.num_hidden_layers - attn_layers;
+    let gdn_layers = sc.num_hidden_layers - attn_layers;
     let mut steps = vec![context];
     steps.extend(std::iter::repeat_n(1, decode));
-    let kv =
-        (attn_layers * 2 * cache_capacity(&steps) * c.num_key_value_heads * c.head_dim * 4) as u64;
+    let kv = (attn_layers * 2 * cache_capacity(&steps) * sc.num_key_value_heads * sc.head_dim * 4)
+        as u64;
     let states = (gdn_layers
-        * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-            + (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim())
+        * (sc.linear_num_value_heads * sc.linear_key_head_dim * sc.linear_value_head_dim
+            + (sc.linear_conv_kernel_dim - 1) * sc.linear_conv_dim())
         * 4) as u64;
     // The longest step's live activations: the MLP's gate‖up output and its halves, the GDN
     // projections, a few hidden-size rows; then the fixed scratch (delta-rule workspace,
     // GEMM weight scratch, attention scores).
-    let h = c.hidden_size;
-    let per_token = 4 * (4 * c.intermediate_size + 2 * c.linear_conv_dim() + 8 * h);
+    let h = sc.hidden_size;
+    let per_token = 4 * (4 * sc.intermediate_size + 2 * sc.linear_conv_dim() + 8 * h);
     let workspace = (context * per_token) as u64
         + (super::GDR_WORKSPACE_BYTES + (4 * super::SCRATCH_ELEMS * 4)) as u64
         // Prefill attention: f32 scores and BF16 probabilities, BF16 copies of K and V.
         + (super::ATTENTION_SCRATCH_ELEMS * 6) as u64
-        + (context * 2 * c.num_key_value_heads * c.head_dim * 2) as u64
+        + (context * 2 * sc.num_key_value_heads * sc.head_dim * 2) as u64
         + quant.map_or(0, |_| (super::QUANT_SCRATCH_ELEMS * 2) as u64);
     Ok(VramPlan {
         weights,
@@ -362,12 +405,12 @@ pub fn plan_vram(
     })
 }
 
-fn gib(b: u64) -> String {
+pub(crate) fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 /// The index of the largest logit (greedy decoding).
-pub(super) fn argmax(logits: &[f32]) -> u32 {
+pub(crate) fn argmax(logits: &[f32]) -> u32 {
     logits
         .iter()
         .enumerate()
@@ -378,7 +421,7 @@ pub(super) fn argmax(logits: &[f32]) -> u32 {
 
 /// Times `steps` greedy single-token decode steps of `seq`, fed from `next` (left at the
 /// token to feed after them): seconds per step and seconds in all.
-pub(super) fn greedy_steps(
+pub(crate) fn greedy_steps(
     model: &mut dyn CausalLm,
     seq: crate::model::SeqId,
     next: &mut u32,
@@ -428,7 +471,7 @@ fn profile_decode(
     Ok(steps)
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
         0.0
@@ -702,4 +745,36 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "ratio_to_peer_llama_cpp_q4_k": decode_tok_s / 86.7,
         },
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_plans_split_the_layers_and_replicate_the_embedding() {
+        let c = TextConfig::from_value(&crate::synthetic::config("qwen3.8-27b").unwrap()).unwrap();
+        let q = Some(RowFormat::Nvfp4);
+        let one = plan_vram(&c, q, 8192, 32).unwrap();
+        let ranks: Vec<VramPlan> = (0..2)
+            .map(|r| plan_vram_rank(&c, q, 8192, 32, 2, r).unwrap())
+            .collect();
+        let embed = (c.vocab_size * c.hidden_size * 2) as u64;
+        // Everything but the embedding (and the replicated norms, a few MB) is split in two.
+        let split = ranks[0].weights + ranks[1].weights - embed;
+        let norms_slack = 64 << 20;
+        assert!(
+            split >= one.weights && split <= one.weights + norms_slack,
+            "two ranks hold {split} bytes of the {} a single card holds (embedding {embed} replicated)",
+            one.weights
+        );
+        assert!(
+            ranks[0].weights < one.weights * 6 / 10,
+            "{ranks:?} vs {one:?}"
+        );
+        assert_eq!(ranks[0].kv + ranks[1].kv, one.kv);
+        assert_eq!(ranks[0].states + ranks[1].states, one.states);
+        assert!(ranks[0].workspace < one.workspace);
+        assert!(plan_vram_rank(&c, q, 8192, 32, 2, 2).is_err());
+    }
 }
