@@ -289,21 +289,27 @@ __device__ __forceinline__ int2 e2m1x8_to_i8(u32 q4) {
     return make_int2((int)__byte_perm(tmp[0], tmp[1], 0x6420), (int)__byte_perm(tmp[0], tmp[1], 0x7531));
 }
 
+// The 32 values at x (16-byte aligned) into v; returns their largest magnitude.
+__device__ __forceinline__ float load32_amax(const float* x, float* v) {
+    const float4* xp = (const float4*)x;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const float4 a = xp[k];
+        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+    return amax;
+}
+
 // x[0..in) → int8 per 32 values (scale amax/127), stored at super-block s, group g (of 32) as
 // bytes s·QX_STRIDE + 32g …; `nvfp4_order` stores each 8 as [0,2,4,6,1,3,5,7] to match
 // e2m1x8_to_i8. Every thread of the block takes part; ends with __syncthreads.
 __device__ __forceinline__ void quantize_x_q8(const float* x, int in, unsigned char* xq, float* xs, bool nvfp4_order) {
     for (int g = threadIdx.x; g < (in >> 5); g += blockDim.x) {
-        const float4* xp = (const float4*)(x + 32 * (u64)g);
         float v[32];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const float4 a = xp[k];
-            v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
-        }
-        float amax = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+        const float amax = load32_amax(x + 32 * (u64)g, v);
         const float d = amax / 127.0f;
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         u32 packed[8];
@@ -504,16 +510,8 @@ extern "C" __global__ void quant_matvec_iq3s_q8(const unsigned char* w, const fl
 extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char* xq, float* xs) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= (in >> 5)) return;
-    const float4* xp = (const float4*)(x + 32 * (u64)c);
     float v[32];
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const float4 a = xp[k];
-        v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+    const float amax = load32_amax(x + 32 * (u64)c, v);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     u32 packed[8];
 #pragma unroll

@@ -6,7 +6,8 @@
 //! share of a decode step. Compare with `bench gpu` at TP=1 (same shape and budget).
 
 use crate::backend::cuda::bench::{
-    argmax, gib, greedy_steps, median, plan_vram_rank, SyntheticBenchOptions, VramPlan,
+    argmax, gib, greedy_steps, median, plan_vram_rank, timed_prefill, SyntheticBenchOptions,
+    VramPlan,
 };
 use crate::backend::cuda::CudaBackend;
 use crate::config::{Architecture, TextConfig};
@@ -115,17 +116,7 @@ pub fn run_synthetic_tp(opts: &SyntheticBenchOptions) -> Result<Value> {
     }
     let seq = model.new_sequence();
     let prompt: Vec<u32> = (0..opts.context).map(|_| token()).collect();
-    let t = Instant::now();
-    let logits = model.forward(&[BatchItem {
-        seq,
-        tokens: &prompt,
-        logits: LogitsWanted::Last,
-    }])?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    anyhow::ensure!(
-        logits[0].iter().all(|x| x.is_finite()),
-        "prefill produced non-finite logits"
-    );
+    let (logits, prefill_s) = timed_prefill(model.as_mut(), seq, &prompt)?;
     let mut next = argmax(&logits[0]);
     greedy_steps(model.as_mut(), seq, &mut next, 2)?;
     let (mut step_s, decode_total_s) =

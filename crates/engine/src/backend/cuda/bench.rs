@@ -419,6 +419,26 @@ pub(crate) fn argmax(logits: &[f32]) -> u32 {
         .unwrap_or(0)
 }
 
+/// Prefills `prompt` into `seq` (timed): the last row's logits, checked finite, and seconds.
+pub(crate) fn timed_prefill(
+    model: &mut dyn CausalLm,
+    seq: crate::model::SeqId,
+    prompt: &[u32],
+) -> Result<(Vec<Vec<f32>>, f64)> {
+    let t = Instant::now();
+    let logits = model.forward(&[BatchItem {
+        seq,
+        tokens: prompt,
+        logits: LogitsWanted::Last,
+    }])?;
+    let seconds = t.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        logits[0].iter().all(|x| x.is_finite()),
+        "prefill produced non-finite logits"
+    );
+    Ok((logits, seconds))
+}
+
 /// Times `steps` greedy single-token decode steps of `seq`, fed from `next` (left at the
 /// token to feed after them): seconds per step and seconds in all.
 pub(crate) fn greedy_steps(
@@ -583,17 +603,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
 
     let seq = model.new_sequence();
     let prompt: Vec<u32> = (0..opts.context).map(|_| token()).collect();
-    let t = Instant::now();
-    let logits = model.forward(&[BatchItem {
-        seq,
-        tokens: &prompt,
-        logits: LogitsWanted::Last,
-    }])?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    anyhow::ensure!(
-        logits[0].iter().all(|x| x.is_finite()),
-        "prefill produced non-finite logits"
-    );
+    let (logits, prefill_s) = timed_prefill(&mut model, seq, &prompt)?;
     let n = opts.context as f64;
     let attn_layers = c
         .layer_types

@@ -866,17 +866,7 @@ pub fn run_synthetic_flash_next(
 
     let seq = model.new_sequence();
     let prompt: Vec<u32> = (0..opts.context).map(|_| token()).collect();
-    let t = Instant::now();
-    let logits = model.forward(&[BatchItem {
-        seq,
-        tokens: &prompt,
-        logits: LogitsWanted::Last,
-    }])?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    anyhow::ensure!(
-        logits[0].iter().all(|x| x.is_finite()),
-        "prefill produced non-finite logits"
-    );
+    let (logits, prefill_s) = super::bench::timed_prefill(&mut model, seq, &prompt)?;
     let qsa = f.qsa.expect("the bench config has QSA");
     let attn_layers = c
         .layer_types

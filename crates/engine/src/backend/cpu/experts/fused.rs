@@ -1408,6 +1408,13 @@ mod tests {
         let xs: Vec<Vec<f32>> = (0..3)
             .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
             .collect();
+        prepared_dots(spec, &bytes, rb, &xs)
+    }
+
+    /// `spec`'s kernels on the rows `bytes` (`rb` bytes each) for the activations `xs`,
+    /// prepared as the experts prepare them: `out[row · xs.len() + act]`.
+    fn prepared_dots(spec: &ActSpec, bytes: &[u8], rb: usize, xs: &[Vec<f32>]) -> Vec<f32> {
+        let k = spec.k;
         let sl = ActSpec::scales_len(k);
         let mut bufs: Vec<ActBuffers> = (0..xs.len())
             .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
@@ -1424,8 +1431,8 @@ mod tests {
                 sums: &b.3,
             })
             .collect();
-        let mut out = vec![0f32; rows * xs.len()];
-        dots(spec, &bytes, rb, &acts, &mut out, &mut vec![0f32; k]);
+        let mut out = vec![0f32; bytes.len() / rb * xs.len()];
+        dots(spec, bytes, rb, &acts, &mut out, &mut vec![0f32; k]);
         out
     }
 
@@ -1460,25 +1467,7 @@ mod tests {
                     let mut want: Option<Vec<f32>> = None;
                     for isa in isas() {
                         let spec = ActSpec::new(isa, path, fmt, k);
-                        let sl = ActSpec::scales_len(k);
-                        let mut bufs: Vec<ActBuffers> = (0..nacts)
-                            .map(|_| (vec![0.0; k], vec![0; k], vec![0.0; sl], vec![0.0; sl]))
-                            .collect();
-                        for (x, b) in xs.iter().zip(bufs.iter_mut()) {
-                            prepare(&spec, x, &mut b.0, &mut b.1, &mut b.2, &mut b.3);
-                        }
-                        let acts: Vec<Act<'_>> = bufs
-                            .iter()
-                            .map(|b| Act {
-                                f: &b.0,
-                                q: &b.1,
-                                s: &b.2,
-                                sums: &b.3,
-                            })
-                            .collect();
-                        let mut out = vec![0f32; rows * nacts];
-                        let mut scratch = vec![0f32; k];
-                        dots(&spec, &bytes, rb, &acts, &mut out, &mut scratch);
+                        let out = prepared_dots(&spec, &bytes, rb, &xs);
                         // Magnitudes for the tolerance, from the dequantised rows.
                         let mut w = vec![0f32; k];
                         let mut mags = vec![0f64; rows * nacts];
