@@ -163,54 +163,35 @@ impl CudaBackend {
         let (ranks, rank) = (mb.layout.ranks as i32, mb.rank as i32);
         let (capacity, len) = (mb.layout.capacity as i64, n as i64);
         let (mailbox, step, status, timeout) = (mb.mailbox, mb.step.ptr, mb.status, mb.timeout_ns);
-        let arg =
-            |v: &dyn std::any::Any| v as *const dyn std::any::Any as *const c_void as *mut c_void;
+        // Each argument passed by address, as cuLaunchKernel takes them.
+        let launch = |name: &str, grid: u32, block: u32, args: &[&dyn std::any::Any]| {
+            let mut params: Vec<*mut c_void> = args
+                .iter()
+                .map(|a| *a as *const dyn std::any::Any as *const c_void as *mut c_void)
+                .collect();
+            self.launch_raw(name, (grid, 1, 1), (block, 1, 1), 0, &mut params);
+        };
         let blocks = ceil_div(n, 256).clamp(1, 1024) as u32;
-        self.launch_raw(
+        launch(
             "mailbox_write",
-            (blocks, 1, 1),
-            (256, 1, 1),
-            0,
-            &mut [
-                arg(&values),
-                arg(&mailbox),
-                arg(&step),
-                arg(&ranks),
-                arg(&rank),
-                arg(&capacity),
-                arg(&len),
-            ],
+            blocks,
+            256,
+            &[&values, &mailbox, &step, &ranks, &rank, &capacity, &len],
         );
-        self.launch_raw(
+        launch(
             "mailbox_signal",
-            (1, 1, 1),
-            (1, 1, 1),
-            0,
-            &mut [
-                arg(&mailbox),
-                arg(&step),
-                arg(&ranks),
-                arg(&rank),
-                arg(&len),
-            ],
+            1,
+            1,
+            &[&mailbox, &step, &ranks, &rank, &len],
         );
         // Few blocks: each one's first thread polls host memory over the bus while it waits.
         let wait_blocks = ceil_div(n, 256).clamp(1, 16) as u32;
-        self.launch_raw(
+        launch(
             "mailbox_wait_sum",
-            (wait_blocks, 1, 1),
-            (256, 1, 1),
-            0,
-            &mut [
-                arg(&mailbox),
-                arg(&step),
-                arg(&ranks),
-                arg(&rank),
-                arg(&capacity),
-                arg(&len),
-                arg(&values),
-                arg(&timeout),
-                arg(&status),
+            wait_blocks,
+            256,
+            &[
+                &mailbox, &step, &ranks, &rank, &capacity, &len, &values, &timeout, &status,
             ],
         );
     }
