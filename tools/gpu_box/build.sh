@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds what the GPU box runs (it has no Rust): the release capy-flash and every CUDA test
+# executable, stripped, into .gpu/ (keep .gpu/ in .git/info/exclude) so that a device call can
+# carry that one folder. Usage: tools/gpu_box/build.sh   (from the repository root)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cargo build --release -p capy-flash
+mkdir -p .gpu/tests
+cp target/release/capy-flash .gpu/
+strip .gpu/capy-flash
+for t in cuda_ops cuda_graphs cuda_bench cuda_flash_next_ops cuda_hybrid cuda_nvrtc_compile \
+         cuda_qwen3_5_text_fixtures cuda_qwen4_exp_text_fixtures tensor_parallel_cuda; do
+  exe=$(cargo test --release -p capy-engine --test "$t" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import sys, json
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("executable") and m.get("target", {}).get("kind") == ["test"]: print(m["executable"])' | tail -1)
+  [ -n "$exe" ] || { echo "no test executable for $t" >&2; exit 1; }
+  cp "$exe" ".gpu/tests/$t"
+  strip ".gpu/tests/$t"
+done
+# The test executables find their fixtures through the path they were built at.
+pwd > .gpu/built_at
+ls -la .gpu .gpu/tests
