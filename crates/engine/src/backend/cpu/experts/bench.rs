@@ -259,6 +259,14 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
     gbps.sort_by(f64::total_cmp);
     let median = gbps.get(gbps.len() / 2).copied().unwrap_or(0.0);
     let mean_gbps = total_bytes / total_secs / 1e9;
+    let spec = ActSpec::new(p.isa, p.path, p.format, p.hidden);
+    let iq3s_decode = if spec.iq3s_shuffle {
+        "vpermt2b"
+    } else if spec.iq3s_gather {
+        "gather"
+    } else {
+        "scalar loads"
+    };
     Ok(json!({
         "bench": "cpu-experts",
         "machine": {
@@ -305,7 +313,7 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
             "down_gbps": in_cache_down,
             "weighted_gbps": in_cache,
             "in_cache_ratio_to_bandwidth": in_cache * threads as f64 / bandwidth,
-            "iq3s_decode": if ActSpec::new(p.isa, p.path, p.format, p.hidden).iq3s_shuffle { "vpermt2b" } else { "gather" },
+            "iq3s_decode": iq3s_decode,
         },
     }))
 }

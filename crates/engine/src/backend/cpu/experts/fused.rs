@@ -87,7 +87,7 @@ pub struct ActSpec {
     /// permutes instead of gathers, which wants its own activation order (see [`Self::slot`]).
     pub iq3s_shuffle: bool,
     /// IQ3_S without the shuffle decode: grid entries fetched with `vpgatherdd` (true) or with
-    /// eight scalar loads (false, the default; see [`iq3s_gather`]).
+    /// scalar loads (false, the default; see [`iq3s_gather`]).
     pub iq3s_gather: bool,
 }
 
@@ -491,11 +491,17 @@ mod x86 {
             (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_shuffle => {
                 iq3s_exact_vbmi::<N>(row, k, a)
             }
-            (Isa::Avx512, Kind::Exact, IQ3S) => iq3s_exact_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_gather => {
+                iq3s_exact_avx512::<N, true>(row, k, a)
+            }
+            (Isa::Avx512, Kind::Exact, IQ3S) => iq3s_exact_avx512::<N, false>(row, k, a),
             (Isa::Avx512, Kind::Exact, Q2_0) => q2_0_exact_avx512::<N>(row, k, a),
             (Isa::Avx512, Kind::Fast, NVFP4) if vnni => nvfp4_fast_avx512::<N>(row, k, a),
             (Isa::Avx512, Kind::Fast, IQ3S) if spec.iq3s_shuffle => iq3s_fast_vbmi::<N>(row, k, a),
-            (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N>(row, k, a),
+            (Isa::Avx512, Kind::Fast, IQ3S) if vnni && spec.iq3s_gather => {
+                iq3s_fast_avx512::<N, true>(row, k, a)
+            }
+            (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N, false>(row, k, a),
             (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512::<N>(row, k, a),
             (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2::<N>(row, k, a),
             (_, Kind::Exact, IQ3S) if spec.iq3s_gather => iq3s_exact_avx2::<N, true>(row, k, a),
@@ -595,6 +601,23 @@ mod x86 {
             *IQ3S_GRID.get_unchecked(*qs.add(j) as usize | (((qh >> j) & 1) << 8)) as i32
         };
         _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7))
+    }
+
+    /// The 16 grid entries of IQ3_S sub-blocks `2·pair` and `2·pair + 1`: one 16-lane gather
+    /// (`GATHER`) or two vectors of scalar loads.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    unsafe fn iq3s_mags_pair_avx512<const GATHER: bool>(p: *const u8, pair: usize) -> __m512i {
+        if GATHER {
+            let low = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2 + 16 * pair) as *const __m128i));
+            let qh = (p.add(66 + 2 * pair) as *const u16).read_unaligned();
+            let idx = _mm512_or_si512(low, _mm512_maskz_mov_epi32(qh, _mm512_set1_epi32(256)));
+            return _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
+        }
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(iq3s_mags_avx2::<false>(p, 2 * pair)),
+            iq3s_mags_avx2::<false>(p, 2 * pair + 1),
+        )
     }
 
     /// `d · (1 + 2·s)` for the 8 sub-blocks of an IQ3_S block (lane = sub-block), the same
@@ -854,18 +877,18 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn iq3s_exact_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+    unsafe fn iq3s_exact_avx512<const N: usize, const GATHER: bool>(
+        row: *const u8,
+        k: usize,
+        a: [P; N],
+    ) -> [f32; N] {
         let sign = _mm512_set1_epi32(i32::MIN);
         let mut acc = [_mm512_setzero_ps(); N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
             let d = f16(p);
             for pair in 0..4 {
-                let low =
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2 + 16 * pair) as *const __m128i));
-                let qh = (p.add(66 + 2 * pair) as *const u16).read_unaligned();
-                let idx = _mm512_or_si512(low, _mm512_maskz_mov_epi32(qh, _mm512_set1_epi32(256)));
-                let mags = _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
+                let mags = iq3s_mags_pair_avx512::<GATHER>(p, pair);
                 let signs = (p.add(74 + 8 * pair) as *const u64).read_unaligned();
                 let parts = [
                     _mm512_castsi512_si128(mags),
@@ -943,18 +966,18 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn iq3s_fast_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+    unsafe fn iq3s_fast_avx512<const N: usize, const GATHER: bool>(
+        row: *const u8,
+        k: usize,
+        a: [P; N],
+    ) -> [f32; N] {
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
             let d = f16(p);
             for pair in 0..4 {
-                let low =
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2 + 16 * pair) as *const __m128i));
-                let qh = (p.add(66 + 2 * pair) as *const u16).read_unaligned();
-                let idx = _mm512_or_si512(low, _mm512_maskz_mov_epi32(qh, _mm512_set1_epi32(256)));
-                let mags = _mm512_i32gather_epi32::<4>(idx, IQ3S_GRID.as_ptr() as *const i32);
+                let mags = iq3s_mags_pair_avx512::<GATHER>(p, pair);
                 let signs = (p.add(74 + 8 * pair) as *const u64).read_unaligned();
                 let (db0, db1) = (iq3s_db(p, d, 2 * pair), iq3s_db(p, d, 2 * pair + 1));
                 for t in 0..N {
@@ -1363,24 +1386,32 @@ mod tests {
         }
     }
 
-    /// The AVX2 IQ3_S kernels fetch the same grid entries with `vpgatherdd` or scalar loads:
-    /// bit-identical results.
+    /// The gather-decoded IQ3_S kernels (AVX2, and AVX-512 without VBMI) fetch the same grid
+    /// entries with `vpgatherdd` or scalar loads: bit-identical results.
     #[test]
     fn iq3s_scalar_grid_loads_match_the_gathers() {
         if Isa::best_supported() < Isa::Avx2 {
             eprintln!("skipping: this CPU lacks AVX2");
             return;
         }
-        for path in [MathPath::Exact, MathPath::Fast] {
-            let outs: Vec<Vec<f32>> = [true, false]
-                .into_iter()
-                .map(|gather| {
-                    let mut spec = ActSpec::new(Isa::Avx2, path, IQ3S, 1024);
-                    spec.iq3s_gather = gather;
-                    iq3s_dots(&spec)
-                })
-                .collect();
-            assert_eq!(outs[0], outs[1], "{}: gathers vs scalar loads", path.name());
+        for isa in isas() {
+            for path in [MathPath::Exact, MathPath::Fast] {
+                let outs: Vec<Vec<f32>> = [true, false]
+                    .into_iter()
+                    .map(|gather| {
+                        let mut spec = ActSpec::new(isa, path, IQ3S, 1024);
+                        spec.iq3s_shuffle = false;
+                        spec.iq3s_gather = gather;
+                        iq3s_dots(&spec)
+                    })
+                    .collect();
+                assert_eq!(
+                    outs[0],
+                    outs[1],
+                    "{isa:?} {}: gathers vs scalar loads",
+                    path.name()
+                );
+            }
         }
     }
 
