@@ -115,7 +115,7 @@ impl MappedExchange {
             .map(|(r, reason)| format!("; rank {r} aborted the exchange: {reason}"))
             .unwrap_or_default();
         bail!(
-            "tensor-parallel exchange of rank {} failed at step {step}: rank {} did not publish that step within {:?}              (or published another length){why}",
+            "tensor-parallel exchange of rank {} failed at step {step}: rank {} did not publish that step within {:?} (or published another length){why}",
             self.rank,
             missing - 1,
             self.mailbox.timeout()

@@ -44,6 +44,8 @@ const QMV8_WARPS: usize = 16;
 /// Rows per warp and warps per block of the NVFP4 records matvec (kernels/quant_matvec.cu
 /// `quant_matvec_nvfp4r_q8_*`; tools/cuda_microbench measures the alternatives).
 const NVFP4R_ROWS_PER_WARP: usize = 2;
+/// The records kernel of `NVFP4R_ROWS_PER_WARP` rows (named once: no string built per call).
+const NVFP4R_KERNEL: &str = "quant_matvec_nvfp4r_q8_2";
 const NVFP4R_WARPS: usize = 8;
 /// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
 /// split-KV kernel.
@@ -639,16 +641,16 @@ impl CudaBackend {
         self.inner.matrix_elems.load(Ordering::Relaxed)
     }
 
-    /// For synthetic benchmarks: from now on every uploaded projection matrix (2-D, not the
-    /// embedding, the LM head or a conv filter, with whole blocks per row) is replaced by random
-    /// valid blocks of `format`, scaled to an RMS of 0.01 like the synthetic BF16 weights, and
-    /// kept quantized. `None` uploads weights as given.
     /// Repack NVFP4 matrices uploaded from now on into records for the records matvec
     /// (default: `CAPY_NVFP4_RECORDS=1`); matrices already uploaded keep their layout.
     pub fn set_nvfp4_records(&self, on: bool) {
         self.inner.nvfp4_records.store(on, Ordering::Relaxed);
     }
 
+    /// For synthetic benchmarks: from now on every uploaded projection matrix (2-D, not the
+    /// embedding, the LM head or a conv filter, with whole blocks per row) is replaced by random
+    /// valid blocks of `format`, scaled to an RMS of 0.01 like the synthetic BF16 weights, and
+    /// kept quantized. `None` uploads weights as given.
     pub fn set_synthetic_quant(&self, format: Option<RowFormat>) {
         *self.inner.synthetic_quant.lock().expect("poisoned") = format;
     }
@@ -1110,7 +1112,7 @@ impl CudaBackend {
             x.ptr(), w.cols as i32, scratch.ptr, scales);
         let rpw = NVFP4R_ROWS_PER_WARP;
         let blocks = ceil_div(ceil_div(w.rows, rpw), NVFP4R_WARPS);
-        launch!(self, &format!("quant_matvec_nvfp4r_q8_{rpw}"), (blocks as u32, 1, 1), (32 * NVFP4R_WARPS as u32, 1, 1), 0;
+        launch!(self, NVFP4R_KERNEL, (blocks as u32, 1, 1), (32 * NVFP4R_WARPS as u32, 1, 1), 0;
             w.buf.ptr, scratch.ptr, scales, out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
     }
 
