@@ -504,8 +504,8 @@ mod x86 {
             (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N, false>(row, k, a),
             (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512::<N>(row, k, a),
             (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2::<N>(row, k, a),
-            (_, Kind::Exact, IQ3S) if spec.iq3s_gather => iq3s_exact_avx2::<N, true>(row, k, a),
-            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2::<N, false>(row, k, a),
+            (_, Kind::Exact, IQ3S) if spec.iq3s_gather => iq3s_exact_avx2_gather::<N>(row, k, a),
+            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2::<N>(row, k, a),
             (_, Kind::Exact, Q2_0) => q2_0_exact_avx2::<N>(row, k, a),
             (_, Kind::Fast, NVFP4) => nvfp4_fast_avx2::<N>(row, k, a),
             (_, Kind::Fast, IQ3S) if spec.iq3s_gather => iq3s_fast_avx2::<N, true>(row, k, a),
@@ -515,9 +515,23 @@ mod x86 {
         }
     }
 
+    /// The f16 at `p` (a block's scale; the block has at least 4 bytes), converted with F16C
+    /// directly: `half` checks the CPU on each call. Written as assembly because LLVM turns
+    /// any load feeding `vcvtph2ps` into a `vpinsrw` merging into a free register, often an
+    /// accumulator, which chains every block to the previous block's FMA (the Q2_0 fast
+    /// kernel ran 20% slower that way); `vmovd` writes the whole register.
     #[inline]
+    #[target_feature(enable = "f16c")]
     unsafe fn f16(p: *const u8) -> f32 {
-        half::f16::from_bits((p as *const u16).read_unaligned()).to_f32()
+        let v: __m128;
+        std::arch::asm!(
+            "vmovd {v}, dword ptr [{p}]",
+            "vcvtph2ps {v}, {v}",
+            p = in(reg) p,
+            v = out(xmm_reg) v,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+        _mm_cvtss_f32(v)
     }
 
     #[inline]
@@ -602,6 +616,81 @@ mod x86 {
         };
         _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7))
     }
+
+    /// Byte offsets `index << SHIFT` of the 8 grid entries of IQ3_S sub-block `sub` (index:
+    /// the 9-bit `qs | qh bit << 8`), formed in one vector and read back through memory.
+    /// Assembling each index in scalar code costs about six ops per entry, which made the
+    /// index arithmetic, not the loads, the bottleneck of the scalar-load kernels.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn iq3s_offsets_avx2<const SHIFT: i32>(p: *const u8, sub: usize) -> Offsets {
+        let low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(2 + 8 * sub) as *const __m128i));
+        // qh bit j of entry j, moved to bit 8 + SHIFT.
+        let s = 8 + SHIFT;
+        let high = _mm256_and_si256(
+            _mm256_sllv_epi32(
+                _mm256_set1_epi32(*p.add(66 + sub) as i32),
+                _mm256_setr_epi32(s, s - 1, s - 2, s - 3, s - 4, s - 5, s - 6, s - 7),
+            ),
+            _mm256_set1_epi32(1 << s),
+        );
+        let mut off = Offsets([0u32; 8]);
+        _mm256_storeu_si256(
+            off.0.as_mut_ptr() as *mut __m256i,
+            _mm256_or_si256(_mm256_slli_epi32::<SHIFT>(low), high),
+        );
+        off
+    }
+
+    /// Grid offsets stored by [`iq3s_offsets_avx2`]. Read them with [`Offsets::get`]: a
+    /// volatile load, because LLVM otherwise replaces the store and loads with `vpextrd`
+    /// (two ops each, on the vector ports the kernels need).
+    struct Offsets([u32; 8]);
+
+    impl Offsets {
+        #[inline(always)]
+        fn get(&self, j: usize) -> usize {
+            // SAFETY: `j < 8` at every call site, within the array.
+            unsafe { std::ptr::read_volatile(self.0.as_ptr().add(j)) as usize }
+        }
+    }
+
+    /// The IQ3_S grid as f32 magnitudes, four per entry: one 16-byte load yields an entry's
+    /// four weights ready for the FMA, with no sign extension or int-to-float conversion.
+    #[repr(C, align(64))]
+    struct GridF32([[f32; 4]; 512]);
+
+    static IQ3S_GRID_F32: GridF32 = {
+        let mut t = [[0f32; 4]; 512];
+        let mut e = 0;
+        while e < 512 {
+            let mut j = 0;
+            while j < 4 {
+                t[e][j] = ((IQ3S_GRID[e] >> (8 * j)) as u8) as f32;
+                j += 1;
+            }
+            e += 1;
+        }
+        GridF32(t)
+    };
+
+    /// For each byte of sign bits, the f32 sign masks of its 8 weights (bit `l` → lane `l`).
+    #[repr(C, align(32))]
+    struct SignLanes([[u32; 8]; 256]);
+
+    static SIGN_LANES: SignLanes = {
+        let mut t = [[0u32; 8]; 256];
+        let mut b = 0;
+        while b < 256 {
+            let mut l = 0;
+            while l < 8 {
+                t[b][l] = ((b as u32 >> l) & 1) << 31;
+                l += 1;
+            }
+            b += 1;
+        }
+        SignLanes(t)
+    };
 
     /// The 16 grid entries of IQ3_S sub-blocks `2·pair` and `2·pair + 1`: one 16-lane gather
     /// (`GATHER`) or two vectors of scalar loads.
@@ -829,8 +918,48 @@ mod x86 {
 
     // ---- IQ3_S --------------------------------------------------------------------------
 
+    /// Exact IQ3_S on AVX2: each grid entry's four magnitudes come as f32 from
+    /// [`IQ3S_GRID_F32`] (two entries per vector), each byte of sign bits as a lane mask from
+    /// [`SIGN_LANES`]; per 8 weights that is one insert, one xor and the FMA. The same products
+    /// and sums as [`iq3s_exact_avx2_gather`], so the results are bit-identical.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn iq3s_exact_avx2<const N: usize, const GATHER: bool>(
+    unsafe fn iq3s_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
+        let grid = IQ3S_GRID_F32.0.as_ptr() as *const u8;
+        let mut acc = [_mm256_setzero_ps(); N];
+        for blk in 0..k / 256 {
+            let p = row.add(110 * blk);
+            let db = iq3s_db_lanes_avx2(p, f16(p));
+            for sub in 0..8 {
+                let off = iq3s_offsets_avx2::<4>(p, sub);
+                let mut tmp = [_mm256_setzero_ps(); N];
+                for q in 0..4 {
+                    let mags = _mm256_loadu2_m128(
+                        grid.add(off.get(2 * q + 1)) as *const f32,
+                        grid.add(off.get(2 * q)) as *const f32,
+                    );
+                    let signs = SIGN_LANES.0[*p.add(74 + 4 * sub + q) as usize].as_ptr();
+                    let w = _mm256_xor_ps(mags, _mm256_load_ps(signs as *const f32));
+                    for t in 0..N {
+                        let xp = a[t].f.add(256 * blk + 32 * sub + 8 * q);
+                        tmp[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp), tmp[t]);
+                    }
+                }
+                let s = _mm256_permutevar8x32_ps(db, _mm256_set1_epi32(sub as i32));
+                for t in 0..N {
+                    acc[t] = _mm256_fmadd_ps(tmp[t], s, acc[t]);
+                }
+            }
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = hsum256(acc[t]);
+        }
+        out
+    }
+
+    /// Exact IQ3_S on AVX2 with the grid fetched by `vpgatherdd` (`CAPY_IQ3S_GATHER=1`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq3s_exact_avx2_gather<const N: usize>(
         row: *const u8,
         k: usize,
         a: [P; N],
@@ -840,7 +969,7 @@ mod x86 {
             let p = row.add(110 * blk);
             let d = f16(p);
             for sub in 0..8 {
-                let mags = iq3s_mags_avx2::<GATHER>(p, sub);
+                let mags = iq3s_mags_avx2::<true>(p, sub);
                 // Signs applied to the 32 weight bytes at once (two ops), then each 8 bytes
                 // sign-extended and converted: fewer ops than a sign per f32 lane.
                 let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
