@@ -50,7 +50,9 @@ pub struct BenchHybridArgs {
     /// Popularity exponent of the routing (∝ 1 / rank^s).
     #[arg(long, default_value_t = 1.0)]
     pub zipf: f64,
-    #[arg(long, default_value_t = 64)]
+    /// Tokens routed before timing: the cache's scores decay with a 256-token half-life, so
+    /// it reaches its steady state only after a few half-lives.
+    #[arg(long, default_value_t = 768)]
     pub warmup_tokens: usize,
     #[arg(long, default_value_t = 64)]
     pub tokens: usize,

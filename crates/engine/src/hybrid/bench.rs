@@ -158,6 +158,14 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
         store_bytes,
         super::memory::anon_growth(mem_before, mem_store),
     );
+    // Page-locked as the loader keeps it, so the cache's copies are DMA from the store. The
+    // pins are declared after `sets` and so dropped before them.
+    let pins: Vec<_> = sets
+        .iter()
+        // SAFETY: each set is an `Arc`ed allocation that outlives `pins` (declared after it).
+        .map(|s| unsafe { b.pin_host(s.as_bytes()) })
+        .collect::<Result<_>>()?;
+    let pinned_bytes: usize = pins.iter().flatten().map(|p| p.bytes()).sum();
     // read_bandwidth reports GB/s.
     let ram_bandwidth = read_bandwidth(&pool, o.bandwidth_probe_bytes, 3) * 1e9;
 
@@ -233,6 +241,7 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
         "host_store_ledger": {
             "ledger_bytes": store_check.ledger_bytes,
             "anon_growth_bytes": store_check.measured_bytes,
+            "page_locked_bytes": pinned_bytes,
             "measured_to_ledger_ratio": store_check.measured_to_ledger_ratio,
             "within_5_percent": store_check.within_5_percent,
             "process_after_store": mem_store,

@@ -196,6 +196,9 @@ struct Inner {
     /// Page-locked buffers for large copies (`staging.rs`); dropped after the stream is
     /// synchronised in `Drop for Inner`.
     staging: Mutex<staging::TransferStaging>,
+    /// Host ranges registered as page-locked (`host_pin.rs`): copies from them are queued as
+    /// DMA directly.
+    pinned: Arc<host_pin::PinnedRanges>,
 }
 
 /// cuBLAS's name for "transpose this operand" or not.
@@ -599,6 +602,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 staging: Mutex::new(staging::TransferStaging::new(ctx.clone())),
+                pinned: Arc::default(),
                 ctx,
                 stream,
                 blas: Mutex::new(BlasHandle(handle)),
@@ -752,6 +756,27 @@ impl CudaBackend {
                 "host-to-device copy (recorded) failed: {r:?}"
             );
         } else {
+            // SAFETY: `data` is `bytes` bytes of plain values.
+            let raw = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
+            if self.inner.pinned.contains(raw) {
+                // Page-locked already (the host expert store): DMA from it, no staging. The
+                // range stays registered, hence allocated, until its pin is dropped, and the
+                // pin waits for the device before it unregisters.
+                // SAFETY: `dst` holds `bytes` bytes (callers allocate it).
+                let r = unsafe {
+                    drv_sys::cuMemcpyHtoDAsync_v2(
+                        dst,
+                        raw.as_ptr() as *const c_void,
+                        bytes,
+                        self.stream(),
+                    )
+                };
+                assert!(
+                    r == drv_sys::CUresult::CUDA_SUCCESS,
+                    "host-to-device copy from page-locked memory failed: {r:?}"
+                );
+                return;
+            }
             if bytes >= staging::STAGED_MIN_BYTES {
                 // SAFETY: `data` is `bytes` bytes of plain values; `dst` holds `bytes` bytes.
                 let raw = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
