@@ -128,7 +128,10 @@ mod tests {
         ranges.add(store[1024..].as_ptr() as usize, 2048);
         assert!(ranges.contains(&store[1024..3072]));
         assert!(ranges.contains(&store[2000..2100]));
-        assert!(!ranges.contains(&store[1000..1100]), "starts before the range");
+        assert!(
+            !ranges.contains(&store[1000..1100]),
+            "starts before the range"
+        );
         assert!(!ranges.contains(&store[3000..3100]), "ends after the range");
         ranges.remove(store[1024..].as_ptr() as usize);
         assert!(!ranges.contains(&store[2000..2100]), "released");

@@ -1132,40 +1132,52 @@ mod x86 {
 
     /// Byte `j` of every IQ3_S grid entry, as `[j][entry]`: eight 64-byte tables per byte,
     /// the operands of the `vpermt2b` decode.
+    /// The IQ3_S grid as two 512-byte tables, one per pair of entry bytes: byte `2p` of entry
+    /// `e` in the low nibble of `t[p][e]`, byte `2p + 1` in the high nibble (every grid byte
+    /// is an odd value ≤ 15). One lookup chain then decodes two of an entry's four bytes:
+    /// half the `vpermi2b` of a table per byte, which bound the kernels on the shuffle port.
     #[repr(C, align(64))]
-    struct GridBytes([[u8; 512]; 4]);
+    struct GridNibblePairs([[u8; 512]; 2]);
 
-    static IQ3S_GRID_BYTES: GridBytes = {
-        let mut t = [[0u8; 512]; 4];
+    static IQ3S_GRID_NIBBLE_PAIRS: GridNibblePairs = {
+        let mut t = [[0u8; 512]; 2];
         let mut e = 0;
         while e < 512 {
-            let mut j = 0;
-            while j < 4 {
-                t[j][e] = (IQ3S_GRID[e] >> (8 * j)) as u8;
-                j += 1;
-            }
+            let g = IQ3S_GRID[e];
+            assert!(g & 0xf0f0_f0f0 == 0, "IQ3_S grid bytes fit a nibble");
+            t[0][e] = (g & 0x0f) as u8 | ((g >> 8) as u8 & 0x0f) << 4;
+            t[1][e] = ((g >> 16) & 0x0f) as u8 | ((g >> 24) as u8 & 0x0f) << 4;
             e += 1;
         }
-        GridBytes(t)
+        GridNibblePairs(t)
     };
 
-    /// Byte `j` of the grid entries of one IQ3_S block (64 entries, entry `e` in byte `e`),
-    /// unsigned. The 9-bit index is `qs[e] | qh bit e << 8`: bits 0–6 pick a byte of a
-    /// 128-byte table pair, bit 7 and the qh bit pick the pair. `region[r]` holds the entries
-    /// of pair `r`; a chain of masked `vpermi2b` (which keep the index byte where the mask is
-    /// clear) decodes each region in place, so no blends are needed.
+    /// Bytes `2·pair` and `2·pair + 1` of the grid entries of one IQ3_S block (64 entries,
+    /// entry `e` in byte `e`), unsigned. The 9-bit index is `qs[e] | qh bit e << 8`: bits 0–6
+    /// pick a byte of a 128-byte table pair, bit 7 and the qh bit pick the pair. `region[r]`
+    /// holds the entries of pair `r`; a chain of masked `vpermi2b` (which keep the index byte
+    /// where the mask is clear) decodes each region in place, so no blends are needed; the
+    /// nibbles of [`IQ3S_GRID_NIBBLE_PAIRS`] are then split with a shift and two ANDs.
     #[inline(always)]
-    unsafe fn iq3s_grid_byte_vbmi(qs: __m512i, region: [__mmask64; 4], j: usize) -> __m512i {
-        let t = IQ3S_GRID_BYTES.0[j].as_ptr() as *const __m512i;
+    unsafe fn iq3s_grid_pair_vbmi(
+        qs: __m512i,
+        region: [__mmask64; 4],
+        pair: usize,
+    ) -> [__m512i; 2] {
+        let t = IQ3S_GRID_NIBBLE_PAIRS.0[pair].as_ptr() as *const __m512i;
         let q = |n: usize| _mm512_load_si512(t.add(n));
         let mut r = qs;
         for (n, &k) in region.iter().enumerate() {
             r = _mm512_mask2_permutex2var_epi8(q(2 * n), r, k, q(2 * n + 1));
         }
-        r
+        let low = _mm512_set1_epi8(0x0f);
+        [
+            _mm512_and_si512(r, low),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(r), low),
+        ]
     }
 
-    /// The four table-pair regions of a block's 64 entries (see [`iq3s_grid_byte_vbmi`]).
+    /// The four table-pair regions of a block's 64 entries (see [`iq3s_grid_pair_vbmi`]).
     #[inline(always)]
     unsafe fn iq3s_regions(qs: __m512i, p: *const u8) -> [__mmask64; 4] {
         let k7 = _mm512_movepi8_mask(qs);
@@ -1222,8 +1234,12 @@ mod x86 {
             let region = iq3s_regions(qs, p);
             let signs = _mm512_cvtepu32_epi64(_mm256_loadu_si256(p.add(74) as *const __m256i));
             let mut isum = [zero; N];
+            let grid = [
+                iq3s_grid_pair_vbmi(qs, region, 0),
+                iq3s_grid_pair_vbmi(qs, region, 1),
+            ];
             for (j, &sel_j) in sel.iter().enumerate() {
-                let w = iq3s_grid_byte_vbmi(qs, region, j);
+                let w = grid[j / 2][j % 2];
                 let neg = _mm512_bitshuffle_epi64_mask(signs, sel_j);
                 for t in 0..N {
                     let x = _mm512_loadu_si512(a[t].q.add(256 * blk + 64 * j) as *const _);
@@ -1260,8 +1276,12 @@ mod x86 {
             let region = iq3s_regions(qs, p);
             let signs = _mm512_cvtepu32_epi64(_mm256_loadu_si256(p.add(74) as *const __m256i));
             let mut tmp = [[_mm512_setzero_ps(); 2]; N];
+            let grid = [
+                iq3s_grid_pair_vbmi(qs, region, 0),
+                iq3s_grid_pair_vbmi(qs, region, 1),
+            ];
             for (j, &sel_j) in sel.iter().enumerate() {
-                let w = iq3s_grid_byte_vbmi(qs, region, j);
+                let w = grid[j / 2][j % 2];
                 let neg = _mm512_bitshuffle_epi64_mask(signs, sel_j);
                 // Signed weight bytes; byte b of each i32 lane sign-extended by two shifts
                 // (no lane-crossing unpack: the activations are laid out to match).
