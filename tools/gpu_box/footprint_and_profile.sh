@@ -18,6 +18,12 @@ for f in ${FOOTPRINT_FORMATS:-nvfp4 iq3_s}; do
   step "footprint-$f" 240 .gpu/capy-flash bench --out "$OUT/footprint-$f.json" hybrid --footprint \
     --format "$f" --layers 48 --vram-budget 15GiB
 done
+# The CPU expert kernels at 16 threads, batch 1: IQ3_S on both ISAs and paths, NVFP4 AVX-512.
+for run in iq3_s:avx512:0 iq3_s:avx512:1 iq3_s:avx2:0 iq3_s:avx2:1 nvfp4:avx512:0 nvfp4:avx512:1; do
+  IFS=: read -r f isa exact <<< "$run"
+  CAPY_CPU_ISA=$isa CAPY_EXACT_MATH=$exact step "cpu-experts-$f-$isa-$exact" 90 .gpu/capy-flash bench \
+    --out "$OUT/cpu-experts-$f-$isa-16t-b1-exact$exact.json" cpu-experts --format "$f" --threads 16 --batch 1
+done
 if [ -z "$SKIP_PROFILE" ]; then
   CAPY_PROFILE_DECODE_STEPS=2 step ncu 300 ncu --clock-control none --cache-control none \
     --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \
