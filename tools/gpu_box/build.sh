@@ -22,4 +22,7 @@ for line in sys.stdin:
 done
 # The test executables find their fixtures through the path they were built at.
 pwd > .gpu/built_at
+# Bench records name the commit their binary was built from (the box's copy of the tree does
+# not carry this checkout's git state); "+dirty" when the tree had uncommitted changes.
+echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- crates kernels || echo +dirty)" > .gpu/commit
 ls -la .gpu .gpu/tests

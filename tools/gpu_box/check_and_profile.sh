@@ -3,6 +3,7 @@
 # microbench, the CUDA suites, a decode profile under ncu, and bench gpu with and without the
 # NVFP4 records. Logs come back as $OUT/logs.tgz, the bench records as $OUT/*.json.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
+export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
 mkdir -p "$OUT/logs"
 # The test executables read their fixtures at the path they were built at (.gpu/built_at).
 built_at=$(cat .gpu/built_at)

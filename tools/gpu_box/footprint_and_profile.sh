@@ -5,6 +5,7 @@
 # 27B NVFP4 decode step profiled under ncu, and the matvec microbench. Logs come back as
 # $OUT/logs.tgz, records as $OUT/*.json.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
+export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
 mkdir -p "$OUT/logs"
 step() { # name timeout command...
   local name=$1 limit=$2; shift 2

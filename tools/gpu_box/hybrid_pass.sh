@@ -5,6 +5,7 @@
 # 27B NVFP4 bench with the records layout. Logs come back as $OUT/logs.tgz, records as
 # $OUT/*.json. Each step has its own timeout so one hang does not eat the call.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
+export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
 mkdir -p "$OUT/logs"
 built_at=$(cat .gpu/built_at)
 if [ "$built_at" != "$PWD" ] && [ ! -e "$built_at" ]; then

@@ -10,7 +10,7 @@
 //! bytes ÷ measured upload rate.
 
 use super::expert_cache::{ExpertCache, ExpertCacheConfig, ExpertCacheStats};
-use super::experts::{upload, HybridExperts, Placement};
+use super::experts::{upload, ForwardTimes, HybridExperts, Placement};
 use super::zipf::ZipfRouter;
 use crate::backend::cpu::experts::bench::read_bandwidth;
 use crate::backend::cpu::experts::{ExpertLayout, ExpertPool, ExpertSet, ExpertShape, RowFormat};
@@ -54,6 +54,8 @@ struct RunFigures {
     seconds_per_token: f64,
     stats: ExpertCacheStats,
     admissions_bytes_per_token: f64,
+    /// The timed tokens' phases, summed over layers.
+    times: ForwardTimes,
 }
 
 fn run_once<B: Backend>(
@@ -102,6 +104,14 @@ fn run_once<B: Backend>(
         step(&routes);
     }
     let before = cache.lock().expect("cache").stats();
+    let times_of = |layers: &[HybridExperts<B>]| {
+        let mut t = ForwardTimes::default();
+        for l in layers {
+            t.add(&l.times());
+        }
+        t
+    };
+    let times_before = times_of(&layers);
     let routes: Vec<Vec<MoeRouting>> = (0..o.tokens)
         .map(|_| (0..o.layers).map(|l| router.route(l, 1)).collect())
         .collect();
@@ -110,6 +120,7 @@ fn run_once<B: Backend>(
         step(r);
     }
     let seconds = t0.elapsed().as_secs_f64();
+    let times_after = times_of(&layers);
     let after = cache.lock().expect("cache").stats();
     let stats = ExpertCacheStats {
         lookups: after.lookups - before.lookups,
@@ -123,6 +134,36 @@ fn run_once<B: Backend>(
         seconds_per_token: seconds / o.tokens as f64,
         admissions_bytes_per_token: stats.admissions as f64 * expert_bytes / o.tokens as f64,
         stats,
+        times: ForwardTimes {
+            calls: times_after.calls - times_before.calls,
+            policy_s: times_after.policy_s - times_before.policy_s,
+            read_x_s: times_after.read_x_s - times_before.read_x_s,
+            resident_queue_s: times_after.resident_queue_s - times_before.resident_queue_s,
+            cpu_experts_s: times_after.cpu_experts_s - times_before.cpu_experts_s,
+            merge_s: times_after.merge_s - times_before.merge_s,
+            admit_s: times_after.admit_s - times_before.admit_s,
+        },
+    })
+}
+
+/// A run's time per token (scaled to the model's layers) by phase of the layers' calls, the
+/// rest being the bench's own wait for each layer's output (device work not overlapped); and
+/// the CPU phase against its share of the roofline (`cpu_roofline_s`).
+fn where_the_time_goes(f: &RunFigures, tokens: usize, scale: f64, cpu_roofline_s: f64) -> Value {
+    let t = &f.times;
+    let per = |s: f64| s / tokens as f64 * scale;
+    let total = f.seconds_per_token * scale;
+    json!({
+        "note": "seconds per token on the calling thread, scaled to the model's layers; read_x waits for the device's queued work; output_wait is the rest: waiting for each layer's output",
+        "policy_s": per(t.policy_s),
+        "read_x_s": per(t.read_x_s),
+        "resident_queue_s": per(t.resident_queue_s),
+        "cpu_experts_s": per(t.cpu_experts_s),
+        "merge_s": per(t.merge_s),
+        "admit_s": per(t.admit_s),
+        "output_wait_s": (total - per(t.total_s())).max(0.0),
+        "cpu_experts_share_ratio": per(t.cpu_experts_s) / total,
+        "cpu_experts_over_cpu_roofline_ratio": if cpu_roofline_s > 0.0 { per(t.cpu_experts_s) / cpu_roofline_s } else { 0.0 },
     })
 }
 
@@ -206,6 +247,7 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
             "placement_roofline_ratio": roofline_s / measured_s,
             "cpu_expert_bytes_per_s": host_per_token * expert_bytes / f.seconds_per_token,
             "cpu_bandwidth_ratio": host_per_token * expert_bytes / f.seconds_per_token / ram_bandwidth,
+            "where_the_time_goes": where_the_time_goes(f, o.tokens, scale, host_per_token * expert_bytes / ram_bandwidth * scale),
         })
     };
     eprintln!(

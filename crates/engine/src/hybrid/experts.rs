@@ -20,7 +20,9 @@ use crate::backend::{Backend, ExpertMatrices, HostPin, MoeRouting};
 use crate::model::layers::moe::RoutedExperts;
 use crate::tensor::HostTensor;
 use anyhow::{bail, Result};
+use serde::Serialize;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// Who decides which experts of a layer are resident.
 pub enum Placement {
@@ -28,6 +30,47 @@ pub enum Placement {
     Fixed(Vec<bool>),
     /// The VRAM expert cache shared by every layer. The layer with index 0 advances its clock.
     Cached(Arc<Mutex<ExpertCache>>),
+}
+
+/// Where a layer's calls spent their time, on the calling thread, summed over calls (seconds).
+/// A few clock reads per call: cheap next to a MoE layer, and what the hybrid bench reports as
+/// where the time goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ForwardTimes {
+    pub calls: u64,
+    /// The cache's bookkeeping and dropping given-up slots.
+    pub policy_s: f64,
+    /// Reading `x` back to the host: waits for the device's queued work (the step so far).
+    pub read_x_s: f64,
+    /// Queuing the resident experts on the backend (launch cost on the host; the device runs
+    /// them while the CPU computes).
+    pub resident_queue_s: f64,
+    /// The CPU experts (the pool's run, caller included).
+    pub cpu_experts_s: f64,
+    /// Uploading the CPU's partial sum and queuing its addition.
+    pub merge_s: f64,
+    /// Queuing the copies of admitted experts.
+    pub admit_s: f64,
+}
+
+impl ForwardTimes {
+    pub fn add(&mut self, o: &ForwardTimes) {
+        self.calls += o.calls;
+        self.policy_s += o.policy_s;
+        self.read_x_s += o.read_x_s;
+        self.resident_queue_s += o.resident_queue_s;
+        self.cpu_experts_s += o.cpu_experts_s;
+        self.merge_s += o.merge_s;
+        self.admit_s += o.admit_s;
+    }
+    pub fn total_s(&self) -> f64 {
+        self.policy_s
+            + self.read_x_s
+            + self.resident_queue_s
+            + self.cpu_experts_s
+            + self.merge_s
+            + self.admit_s
+    }
 }
 
 struct Resident<M> {
@@ -41,6 +84,7 @@ struct Resident<M> {
     /// The backend refused a copy (its memory budget is full): no more copies are tried, the
     /// rest of this layer's experts run on the host.
     upload_refused: bool,
+    times: ForwardTimes,
 }
 
 /// One MoE layer's routed experts, placed across the backend and the CPU.
@@ -149,6 +193,7 @@ impl<B: Backend> HybridExperts<B> {
             scratch: None,
             scratch_pairs: 0,
             upload_refused: false,
+            times: ForwardTimes::default(),
         };
         let resident: Vec<usize> = match &placement {
             Placement::Fixed(resident) => {
@@ -203,6 +248,11 @@ impl<B: Backend> HybridExperts<B> {
     pub fn resident_count(&self) -> usize {
         self.state.lock().expect("expert state").slots.len()
     }
+
+    /// Where this layer's calls spent their time so far.
+    pub fn times(&self) -> ForwardTimes {
+        self.state.lock().expect("expert state").times
+    }
 }
 
 impl<M> Resident<M> {
@@ -222,6 +272,13 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act {
         let (n, hidden) = b.shape(x);
         let mut st = self.state.lock().expect("expert state");
+        let mut clock = Instant::now();
+        let mut lap = || {
+            let now = Instant::now();
+            let s = (now - clock).as_secs_f64();
+            clock = now;
+            s
+        };
         // 1. Where each expert is this step (and what the cache wants copied in after it).
         let admit = match &self.placement {
             Placement::Fixed(_) => Vec::new(),
@@ -250,9 +307,15 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
             }
         };
         let split = split_routing(routing, |e| st.slot_of[e as usize].is_some());
+        let mut t = ForwardTimes {
+            calls: 1,
+            policy_s: lap(),
+            ..ForwardTimes::default()
+        };
         // The host copy first: reading `x` back waits for the device, and the resident work
         // launched next must overlap the CPU's share rather than precede it.
         let x_host = split.host.as_ref().map(|_| b.to_host(x));
+        t.read_x_s = lap();
 
         // 2. Resident pairs on the backend, over the compact slot list (asynchronous on a GPU).
         let mut out = match &split.resident {
@@ -275,6 +338,7 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
             }
             None => b.zeros(n, hidden),
         };
+        t.resident_queue_s = lap();
 
         // 3. Host pairs on the CPU expert kernels, while the device works.
         if let (Some(h), Some(x_host)) = (&split.host, &x_host) {
@@ -303,7 +367,9 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                 st.scratch.as_mut().expect("sized above"),
             )
             .expect("host experts: shapes were checked at load");
+            t.cpu_experts_s = lap();
             b.add_assign(&mut out, &b.from_host(n, hidden, &y));
+            t.merge_s = lap();
         }
 
         // 4. Copy in what the cache admitted (used from the next step).
@@ -328,6 +394,8 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                 }
             }
         }
+        t.admit_s = lap();
+        st.times.add(&t);
         out
     }
 }

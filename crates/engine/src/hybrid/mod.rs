@@ -20,5 +20,5 @@ pub mod split;
 pub mod zipf;
 
 pub use expert_cache::{ExpertCache, ExpertCacheConfig, ExpertCacheStats};
-pub use experts::{HybridExperts, Placement};
+pub use experts::{ForwardTimes, HybridExperts, Placement};
 pub use load::{load_flash_next, HybridModel, HybridOptions, HybridReport};
