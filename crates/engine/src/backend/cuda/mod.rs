@@ -646,7 +646,8 @@ impl CudaBackend {
     }
 
     /// Repack NVFP4 matrices uploaded from now on into records for the records matvec
-    /// (default: `CAPY_NVFP4_RECORDS=1`); matrices already uploaded keep their layout.
+    /// (default: on, `CAPY_NVFP4_RECORDS=0` turns it off); matrices already uploaded keep their
+    /// layout.
     pub fn set_nvfp4_records(&self, on: bool) {
         self.inner.nvfp4_records.store(on, Ordering::Relaxed);
     }
