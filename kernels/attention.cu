@@ -8,93 +8,139 @@
 #define ATTN_MAX_D 256
 #define ATTN_WARPS 4
 
+#define ATTN_GQA_MAX 6
+
 // q [n, H·d], k/v [T, KVH·d]; query i sees keys 0..past+i. part_o [n, H, S, d], part_ml [n, H, S, 2].
+// grid (KVH · ceil(G / ATTN_GQA_MAX), S, n), block ATTN_WARPS·32, G = H / KVH query heads per KV
+// head. A block takes up to ATTN_GQA_MAX query heads of one KV head, so each key and value row
+// is read once for all of them: with one block per query head a decode step read the cache G
+// times over (6 for the 27B), and attention was bound by those reads.
 extern "C" __global__ void attn_split(const float* q, const float* k, const float* v, float* part_o, float* part_ml, int past,
                                       int heads, int kv_heads, int d, float scale, int split_len) {
-    __shared__ float sm_o[ATTN_WARPS][ATTN_MAX_D];
-    __shared__ float sm_m[ATTN_WARPS], sm_l[ATTN_WARPS];
-    const int h = blockIdx.x, s = blockIdx.y, i = blockIdx.z, splits = gridDim.y;
+    __shared__ float sm_o[ATTN_WARPS][ATTN_GQA_MAX][ATTN_MAX_D];
+    __shared__ float sm_m[ATTN_WARPS][ATTN_GQA_MAX], sm_l[ATTN_WARPS][ATTN_GQA_MAX];
+    const int group = heads / kv_heads;
+    const int chunks = (group + ATTN_GQA_MAX - 1) / ATTN_GQA_MAX;
+    const int kvh = blockIdx.x / chunks;
+    const int h0 = kvh * group + (blockIdx.x % chunks) * ATTN_GQA_MAX;
+    const int nh = min(ATTN_GQA_MAX, kvh * group + group - h0);
+    const int s = blockIdx.y, i = blockIdx.z, splits = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kvh = h / (heads / kv_heads);
     const int len = past + i + 1;
     const int t0 = s * split_len;
     const int t1 = min(t0 + split_len, len);
     const u64 qd = (u64)heads * d, kvd = (u64)kv_heads * d;
-    float qv[ATTN_MAX_D / 32], acc[ATTN_MAX_D / 32];
+    float qv[ATTN_GQA_MAX][ATTN_MAX_D / 32], acc[ATTN_GQA_MAX][ATTN_MAX_D / 32];
+    float m[ATTN_GQA_MAX], l[ATTN_GQA_MAX];
 #pragma unroll
-    for (int j = 0; j < ATTN_MAX_D / 32; j++) {
-        int e = lane + 32 * j;
-        qv[j] = e < d ? q[i * qd + (u64)h * d + e] : 0.0f;
-        acc[j] = 0.0f;
+    for (int g = 0; g < ATTN_GQA_MAX; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATTN_MAX_D / 32; j++) {
+            const int e = lane + 32 * j;
+            qv[g][j] = (g < nh && e < d) ? q[i * qd + (u64)(h0 + g) * d + e] : 0.0f;
+            acc[g][j] = 0.0f;
+        }
     }
-    float m = -INFINITY, l = 0.0f;
     for (int t = t0 + warp; t < t1; t += ATTN_WARPS) {
         const float* kr = k + t * kvd + (u64)kvh * d;
         const float* vr = v + t * kvd + (u64)kvh * d;
-        float dot = 0.0f;
+        float kv[ATTN_MAX_D / 32], vv[ATTN_MAX_D / 32];
 #pragma unroll
         for (int j = 0; j < ATTN_MAX_D / 32; j++) {
-            int e = lane + 32 * j;
-            if (e < d) dot += qv[j] * kr[e];
+            const int e = lane + 32 * j;
+            kv[j] = e < d ? kr[e] : 0.0f;
+            vv[j] = e < d ? vr[e] : 0.0f;
         }
-        float sc = warp_sum(dot) * scale;
-        float m_new = fmaxf(m, sc);
-        float corr = expf(m - m_new);
-        float p = expf(sc - m_new);
-        l = l * corr + p;
 #pragma unroll
-        for (int j = 0; j < ATTN_MAX_D / 32; j++) {
-            int e = lane + 32 * j;
-            if (e < d) acc[j] = acc[j] * corr + p * vr[e];
+        for (int g = 0; g < ATTN_GQA_MAX; g++) {
+            if (g < nh) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < ATTN_MAX_D / 32; j++) dot += qv[g][j] * kv[j];
+                const float sc = warp_sum(dot) * scale;
+                const float m_new = fmaxf(m[g], sc);
+                const float corr = expf(m[g] - m_new);
+                const float p = expf(sc - m_new);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int j = 0; j < ATTN_MAX_D / 32; j++) acc[g][j] = acc[g][j] * corr + p * vv[j];
+                m[g] = m_new;
+            }
         }
-        m = m_new;
     }
 #pragma unroll
-    for (int j = 0; j < ATTN_MAX_D / 32; j++) {
-        int e = lane + 32 * j;
-        if (e < d) sm_o[warp][e] = acc[j];
-    }
-    if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
+    for (int g = 0; g < ATTN_GQA_MAX; g++) {
+        if (g < nh) {
+#pragma unroll
+            for (int j = 0; j < ATTN_MAX_D / 32; j++) {
+                const int e = lane + 32 * j;
+                if (e < d) sm_o[warp][g][e] = acc[g][j];
+            }
+            if (lane == 0) {
+                sm_m[warp][g] = m[g];
+                sm_l[warp][g] = l[g];
+            }
+        }
     }
     __syncthreads();
-    float mm = -INFINITY;
-    for (int w = 0; w < ATTN_WARPS; w++) mm = fmaxf(mm, sm_m[w]);
-    const u64 slot = ((u64)i * heads + h) * splits + s;
-    for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float o = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; w++)
-            if (sm_m[w] != -INFINITY) o += sm_o[w][e] * expf(sm_m[w] - mm);
-        part_o[slot * d + e] = o;
-    }
-    if (threadIdx.x == 0) {
-        float ll = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; w++)
-            if (sm_m[w] != -INFINITY) ll += sm_l[w] * expf(sm_m[w] - mm);
-        part_ml[slot * 2] = mm;
-        part_ml[slot * 2 + 1] = ll;
+    for (int g = 0; g < nh; g++) {
+        float mm = -INFINITY;
+        for (int w = 0; w < ATTN_WARPS; w++) mm = fmaxf(mm, sm_m[w][g]);
+        const u64 slot = ((u64)i * heads + h0 + g) * splits + s;
+        for (int e = threadIdx.x; e < d; e += blockDim.x) {
+            float o = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; w++)
+                if (sm_m[w][g] != -INFINITY) o += sm_o[w][g][e] * expf(sm_m[w][g] - mm);
+            part_o[slot * d + e] = o;
+        }
+        if (threadIdx.x == 0) {
+            float ll = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; w++)
+                if (sm_m[w][g] != -INFINITY) ll += sm_l[w][g] * expf(sm_m[w][g] - mm);
+            part_ml[slot * 2] = mm;
+            part_ml[slot * 2 + 1] = ll;
+        }
     }
 }
 
-// grid (heads, n); out [n, H·d].
+#define ATTN_COMBINE_MAX_SPLITS 1024
+
+// grid (heads, n), block 256; out [n, H·d]. Each split's weight e^{m_s − max} is formed once in
+// shared memory; then every output value sums its splits with independent loads (a decode step
+// at 8K context has 65 splits: a loop of dependent loads and exponentials per value took 20 µs).
 extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml, float* out, int heads, int d, int splits) {
+    __shared__ float wt[ATTN_COMBINE_MAX_SPLITS];
+    __shared__ float scratch[32];
+    __shared__ float total;
     const int h = blockIdx.x, i = blockIdx.y;
     const u64 base = ((u64)i * heads + h) * splits;
-    float mm = -INFINITY;
-    for (int s = 0; s < splits; s++) mm = fmaxf(mm, part_ml[(base + s) * 2]);
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+    mx = block_max(mx, scratch);
     float ll = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        float ms = part_ml[(base + s) * 2];
-        if (ms != -INFINITY) ll += part_ml[(base + s) * 2 + 1] * expf(ms - mm);
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float ms = part_ml[(base + s) * 2];
+        const float w = ms == -INFINITY ? 0.0f : expf(ms - mx);
+        wt[s] = w;
+        ll += part_ml[(base + s) * 2 + 1] * w;
     }
+    ll = block_sum(ll, scratch);
+    if (threadIdx.x == 0) total = ll;
+    __syncthreads();
+    const float inv = 1.0f / total;
     for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float ms = part_ml[(base + s) * 2];
-            if (ms != -INFINITY) o += part_o[(base + s) * d + e] * expf(ms - mm);
+        float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+        int s = 0;
+        for (; s + 4 <= splits; s += 4) {
+            o0 += part_o[(base + s) * d + e] * wt[s];
+            o1 += part_o[(base + s + 1) * d + e] * wt[s + 1];
+            o2 += part_o[(base + s + 2) * d + e] * wt[s + 2];
+            o3 += part_o[(base + s + 3) * d + e] * wt[s + 3];
         }
-        out[(u64)i * heads * d + (u64)h * d + e] = o / ll;
+        for (; s < splits; s++) o0 += part_o[(base + s) * d + e] * wt[s];
+        out[(u64)i * heads * d + (u64)h * d + e] = ((o0 + o1) + (o2 + o3)) * inv;
     }
 }
 

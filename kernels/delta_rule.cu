@@ -1,70 +1,95 @@
-// The gated delta rule, recurrent form, parallel over value heads × value columns: each thread
-// owns one column of one head's [dk, dv] state in registers and walks the tokens in order:
+// The gated delta rule, recurrent form, parallel over value heads × value columns × key rows:
 //   S ← S·e^g;  δ = β(v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀq
 // with q, k L2-normalised (and q scaled by 1/√dk) here, as the reference kernel does.
-// Prefill runs the same kernel over all of a chunk's tokens.
+// Thread (lane, w) of a block owns column b = 32·blockIdx.y + lane of one head's [dk, dv] state,
+// rows 32w … 32w + 31, in registers; the warps' partial sums of Sᵀk and Sᵀq meet in shared
+// memory. A decode step is one token per call: splitting the rows over warps gives the call
+// dk/32 times the warps (768 for the 27B) to hide the state's load latency with, where one
+// warp per 32 columns left the H100 at a tenth of its bandwidth.
+// Prefill runs the same kernel over all of a short chunk's tokens.
 
 #define GDR_MAX_DK 128
+#define GDR_MAX_WARPS (GDR_MAX_DK / 32)
 
 // q, k [n, NK·dk]; v [n, NV·dv]; g, beta [n, NV]; state [NV, dk, dv]; out [n, NV·dv]. q, k and
 // v rows are `q_stride`, `k_stride`, `v_stride` floats apart, so they may be read in place from
-// the packed conv output. grid (NV, ceil(dv / 32)), block 32.
+// the packed conv output. grid (NV, ceil(dv / 32)), block (32, ceil(dk / 32)).
 extern "C" __global__ void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                             float* state, float* out, int n, int nk, int nv, int dk, int dv,
                                             int q_stride, int k_stride, int v_stride) {
     __shared__ float qs[GDR_MAX_DK], ks[GDR_MAX_DK];
-    const int h = blockIdx.x, lane = threadIdx.x;
+    __shared__ float norms[2][GDR_MAX_WARPS];
+    __shared__ float part[2][GDR_MAX_WARPS][32];
+    const int h = blockIdx.x, lane = threadIdx.x, w = threadIdx.y, warps = blockDim.y;
     const int b = blockIdx.y * 32 + lane;
     const int kh = h / (nv / nk);
+    const int a0 = 32 * w;
     const bool active = b < dv;
     const float scale = 1.0f / sqrtf((float)dk);
-    float S[GDR_MAX_DK];
+    float S[32];
     float* st = state + (u64)h * dk * dv;
 #pragma unroll
-    for (int a = 0; a < GDR_MAX_DK; a++) S[a] = (a < dk && active) ? st[(u64)a * dv + b] : 0.0f;
+    for (int r = 0; r < 32; r++) S[r] = (a0 + r < dk && active) ? st[(u64)(a0 + r) * dv + b] : 0.0f;
     for (int t = 0; t < n; t++) {
-        const float* qr = q + (u64)t * q_stride + (u64)kh * dk;
-        const float* kr = k + (u64)t * k_stride + (u64)kh * dk;
-        float qq = 0.0f, kk = 0.0f;
-        for (int a = lane; a < dk; a += 32) {
-            float qa = qr[a], ka = kr[a];
+        // Lane r of warp w brings row a0 + r of q and k, and its share of their norms.
+        const int a = a0 + lane;
+        const float qa = a < dk ? q[(u64)t * q_stride + (u64)kh * dk + a] : 0.0f;
+        const float ka = a < dk ? k[(u64)t * k_stride + (u64)kh * dk + a] : 0.0f;
+        if (a < dk) {
             qs[a] = qa;
             ks[a] = ka;
-            qq += qa * qa;
-            kk += ka * ka;
         }
-        qq = warp_sum(qq);
-        kk = warp_sum(kk);
-        __syncwarp();
+        const float qq_w = warp_sum(qa * qa), kk_w = warp_sum(ka * ka);
+        if (lane == 0) {
+            norms[0][w] = qq_w;
+            norms[1][w] = kk_w;
+        }
+        __syncthreads();
+        float qq = 0.0f, kk = 0.0f;
+        for (int i = 0; i < warps; i++) {
+            qq += norms[0][i];
+            kk += norms[1][i];
+        }
         const float qinv = 1.0f / sqrtf(qq + 1e-6f);
         const float kinv = 1.0f / sqrtf(kk + 1e-6f);
         const float decay = expf(g[(u64)t * nv + h]);
         const float bt = beta[(u64)t * nv + h];
-        float kv_mem = 0.0f;
+        float kv_part = 0.0f;
 #pragma unroll
-        for (int a = 0; a < GDR_MAX_DK; a++) {
-            if (a < dk) {
-                S[a] *= decay;
-                kv_mem += (ks[a] * kinv) * S[a];
+        for (int r = 0; r < 32; r++) {
+            if (a0 + r < dk) {
+                S[r] *= decay;
+                kv_part += (ks[a0 + r] * kinv) * S[r];
             }
         }
+        part[0][w][lane] = kv_part;
+        __syncthreads();
+        float kv_mem = 0.0f;
+        for (int i = 0; i < warps; i++) kv_mem += part[0][i][lane];
         const float vb = active ? v[(u64)t * v_stride + (u64)h * dv + b] : 0.0f;
         const float delta = (vb - kv_mem) * bt;
-        float o = 0.0f;
+        float o_part = 0.0f;
 #pragma unroll
-        for (int a = 0; a < GDR_MAX_DK; a++) {
-            if (a < dk) {
-                S[a] += (ks[a] * kinv) * delta;
-                o += (qs[a] * qinv * scale) * S[a];
+        for (int r = 0; r < 32; r++) {
+            if (a0 + r < dk) {
+                S[r] += (ks[a0 + r] * kinv) * delta;
+                o_part += (qs[a0 + r] * qinv * scale) * S[r];
             }
         }
-        if (active) out[((u64)t * nv + h) * dv + b] = o;
-        __syncwarp();
+        part[1][w][lane] = o_part;
+        __syncthreads();
+        if (w == 0 && active) {
+            float o = 0.0f;
+            for (int i = 0; i < warps; i++) o += part[1][i][lane];
+            out[((u64)t * nv + h) * dv + b] = o;
+        }
+        // qs, ks and the partials are rewritten by the next token.
+        __syncthreads();
     }
     if (active) {
 #pragma unroll
-        for (int a = 0; a < GDR_MAX_DK; a++)
-            if (a < dk) st[(u64)a * dv + b] = S[a];
+        for (int r = 0; r < 32; r++)
+            if (a0 + r < dk) st[(u64)(a0 + r) * dv + b] = S[r];
     }
 }
 

@@ -1,13 +1,54 @@
 // RMSNorm over consecutive groups of `group` values (one block per group), optionally scaled by
 // (1 + w) and gated by silu(gate) (the GDN output norm); add_rms_norm first adds the residual
 // branch into x in place (each block owns its group, so the sum it norms is its own).
+//
+// A decode step norms one 5120-value row per call, so a call is one block: its time is the
+// latency of its loads, not bandwidth. Each thread therefore loads its (up to) NORM_VALS values
+// at once into registers and keeps them for the second pass; the launcher gives a block
+// ceil(group / NORM_VALS) threads (up to 1024). Larger groups take the looping path.
+
+#define NORM_VALS 8
 
 __device__ __forceinline__ void rms_norm_group(float* x, const float* add, const float* w, const float* gate,
                                                float* out, int group, float eps, int one_plus) {
     __shared__ float scratch[32];
-    u64 base = (u64)blockIdx.x * group;
+    const u64 base = (u64)blockIdx.x * group;
+    const int stride = blockDim.x;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+    if (group <= stride * NORM_VALS) {
+        float v[NORM_VALS];
+#pragma unroll
+        for (int k = 0; k < NORM_VALS; k++) {
+            const int i = threadIdx.x + k * stride;
+            v[k] = i < group ? x[base + i] : 0.0f;
+        }
+        if (add) {
+#pragma unroll
+            for (int k = 0; k < NORM_VALS; k++) {
+                const int i = threadIdx.x + k * stride;
+                if (i < group) {
+                    v[k] += add[base + i];
+                    x[base + i] = v[k];
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
+        ss = block_sum(ss, scratch);
+        const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_VALS; k++) {
+            const int i = threadIdx.x + k * stride;
+            if (i < group) {
+                const float scale = one_plus ? 1.0f + w[i] : w[i];
+                float o = v[k] * inv * scale;
+                if (gate) o *= silu_f(gate[base + i]);
+                out[base + i] = o;
+            }
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < group; i += stride) {
         float v = x[base + i];
         if (add) {
             v += add[base + i];
@@ -16,9 +57,9 @@ __device__ __forceinline__ void rms_norm_group(float* x, const float* add, const
         ss += v * v;
     }
     ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float scale = one_plus ? 1.0f + w[i] : w[i];
+    const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += stride) {
+        const float scale = one_plus ? 1.0f + w[i] : w[i];
         float o = x[base + i] * inv * scale;
         if (gate) o *= silu_f(gate[base + i]);
         out[base + i] = o;

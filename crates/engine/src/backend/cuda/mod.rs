@@ -443,6 +443,13 @@ fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
 
+/// Threads of a norm block over groups of `group` values: each thread keeps up to
+/// `NORM_VALS` (8, kernels/norm.cu) of them in registers, so a 5120-value decode row is one
+/// round of loads over 640 threads instead of 20 dependent rounds over 256.
+fn norm_threads(group: usize) -> usize {
+    ceil_div(ceil_div(group, 8), 32).clamp(1, 32) * 32
+}
+
 /// Grid size for a grid-stride loop over `n` elements with 256-thread blocks.
 fn grid_1d(n: usize) -> (u32, u32, u32) {
     (ceil_div(n, 256).clamp(1, 65535 * 4) as u32, 1, 1)
@@ -1107,7 +1114,9 @@ impl CudaBackend {
             "gated delta rule: beta shape"
         );
         if n > 0 {
-            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, 1, 1), 0;
+            // One warp per 32 key rows (kernels/delta_rule.cu).
+            let warps = ceil_div(s.k_head_dim, 32).max(1) as u32;
+            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, warps, 1), 0;
                 q, k, v, g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
                 s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32,
                 strides.0 as i32, strides.1 as i32, strides.2 as i32);
@@ -1373,14 +1382,18 @@ impl CudaBackend {
     ) {
         let n = q.rows;
         let total = k.rows;
-        let split_len = 128usize;
+        // 128 keys a split, longer past 131K keys: attn_combine weighs at most 1024 splits.
+        let split_len = 128usize.max(ceil_div(total, 1024));
         let splits = ceil_div(total, split_len).max(1);
+        // Up to 6 query heads of one KV head a block (kernels/attention.cu, ATTN_GQA_MAX).
+        let group = s.num_heads / s.num_kv_heads;
+        let blocks = s.num_kv_heads * ceil_div(group, 6);
         let part_o = self.alloc(
             n * s.num_heads * splits * s.head_dim * 4,
             "attention partials",
         );
         let part_ml = self.alloc(n * s.num_heads * splits * 2 * 4, "attention partials");
-        launch!(self, "attn_split", (s.num_heads as u32, splits as u32, n as u32), (128, 1, 1), 0;
+        launch!(self, "attn_split", (blocks as u32, splits as u32, n as u32), (128, 1, 1), 0;
             q.ptr(), k.ptr(), v.ptr(), part_o.ptr, part_ml.ptr, past as i32, s.num_heads as i32,
             s.num_kv_heads as i32, s.head_dim as i32, s.scale, split_len as i32);
         launch!(self, "attn_combine", (s.num_heads as u32, n as u32, 1), (256, 1, 1), 0;
@@ -1962,7 +1975,7 @@ impl Backend for CudaBackend {
         let out = self.alloc_act(x.rows, x.cols, x.rows);
         let groups = x.len() / group;
         if groups > 0 {
-            let threads = ceil_div(group, 32).clamp(1, 8) * 32;
+            let threads = norm_threads(group);
             launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
                 x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32);
         }
@@ -1993,7 +2006,7 @@ impl Backend for CudaBackend {
         let out = self.alloc_act(x.rows, x.cols, x.rows);
         let groups = x.len() / group;
         if groups > 0 {
-            let threads = ceil_div(group, 32).clamp(1, 8) * 32;
+            let threads = norm_threads(group);
             launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
                 x.ptr(), w.buf.ptr, gate.ptr(), out.ptr(), group as i32, eps, 0i32);
         }
@@ -2050,7 +2063,7 @@ impl Backend for CudaBackend {
         let out = self.alloc_act(x.rows, x.cols, x.rows);
         let groups = x.len() / group;
         if groups > 0 {
-            let threads = ceil_div(group, 32).clamp(1, 8) * 32;
+            let threads = norm_threads(group);
             launch!(self, "add_rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
                 x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32);
         }

@@ -24,8 +24,7 @@ pub fn applies(cols: usize) -> bool {
 /// `false`). Measured on an H100 (bench/results/gpu-qwen3.8-27b-nvfp4-records-h100box.json):
 /// the 27B NVFP4 decodes at 63.1 tok/s with records against 55.5 with the block layout (1.14x).
 pub fn enabled_by_env() -> bool {
-    !std::env::var("CAPY_NVFP4_RECORDS")
-        .is_ok_and(|v| v == "0" || v.eq_ignore_ascii_case("false"))
+    !std::env::var("CAPY_NVFP4_RECORDS").is_ok_and(|v| v == "0" || v.eq_ignore_ascii_case("false"))
 }
 
 /// `blocks` (rows of 36-byte NVFP4 blocks, `cols` weights a row) as records.
