@@ -55,24 +55,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// A block-wide reduction (blockDim.x a multiple of 32, at most 1024) by `warp_reduce`, whose
+// identity pads the missing warps; every thread gets the result.
+template <typename WarpReduce>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, float identity, WarpReduce warp_reduce) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    float t = lane < nwarps ? scratch[lane] : 0.0f;
-    return warp_sum(t);
+    return warp_reduce(lane < nwarps ? scratch[lane] : identity);
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    return block_reduce(v, scratch, 0.0f, [](float x) { return warp_sum(x); });
 }
 
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    return warp_max(lane < nwarps ? scratch[lane] : -INFINITY);
+    return block_reduce(v, scratch, -INFINITY, [](float x) { return warp_max(x); });
 }
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }

@@ -1,38 +1,33 @@
 #!/usr/bin/env bash
-# One device call (carry [".gpu"] after tools/gpu_box/build.sh): the CUDA suites that cover the
-# copy paths (cuda_ops, cuda_hybrid, cuda_graphs, tensor_parallel_cuda, both fixture suites),
-# the hybrid expert bench for NVFP4 and IQ3_S at a 15 GiB budget (store page-locked), and the
-# 27B NVFP4 bench with the records layout. Logs come back as $OUT/logs.tgz, records as
-# $OUT/*.json. Each step has its own timeout so one hang does not eat the call.
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
-export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
-mkdir -p "$OUT/logs"
-built_at=$(cat .gpu/built_at)
-if [ "$built_at" != "$PWD" ] && [ ! -e "$built_at" ]; then
-  mkdir -p "$(dirname "$built_at")" && ln -s "$PWD" "$built_at"
-fi
-step() { # name timeout command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/logs/$name.txt" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s"; tail -3 "$OUT/logs/$name.txt"
-}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/logs/smi.txt"
-lscpu > "$OUT/logs/lscpu.txt"
-for t in cuda_ops cuda_hybrid cuda_graphs tensor_parallel_cuda cuda_qwen3_5_text_fixtures \
-         cuda_qwen4_exp_text_fixtures; do
-  step "$t" 120 ".gpu/tests/$t" --test-threads=1
-done
+# One device call for the hybrid experts (carry [".gpu"] after tools/gpu_box/build.sh): the
+# hybrid bench with its time breakdown for NVFP4 and IQ3_S at a 15 GiB budget (HYBRID_FORMATS);
+# with FOOTPRINT=1 the configuration table's RAM promises at full size (48 layers × 512
+# experts, page-locked); with CPU_EXPERTS=1 the CPU expert kernels at 16 threads; with
+# COMPARE_RECORDS=1 the 27B NVFP4 bench with records and with blocks on the same card.
+# Records come back as $OUT/*.json (keep the count under eight), logs as $OUT/logs.tgz.
+source tools/gpu_box/common.sh
 for f in ${HYBRID_FORMATS:-nvfp4 iq3_s}; do
   step "hybrid-$f" 170 .gpu/capy-flash bench --out "$OUT/hybrid-$f.json" hybrid --format "$f" \
     --vram-budget 15GiB --threads 16 --layers 8 --tokens 64
 done
-if [ -z "$SKIP_RECORDS" ]; then
-  # Records and blocks in the same call: the two are compared on the same card.
-  CAPY_NVFP4_RECORDS=1 step records 200 .gpu/capy-flash bench --out "$OUT/gpu-records.json" gpu \
-    --synthetic qwen3.8-27b --quant nvfp4 --decode-tokens 16
-  CAPY_NVFP4_RECORDS=0 step blocks 200 .gpu/capy-flash bench --out "$OUT/gpu-blocks.json" gpu \
-    --synthetic qwen3.8-27b --quant nvfp4 --decode-tokens 16
+if [ -n "$FOOTPRINT" ]; then
+  for f in nvfp4 iq3_s; do
+    step "footprint-$f" 240 .gpu/capy-flash bench --out "$OUT/footprint-$f.json" hybrid --footprint \
+      --format "$f" --layers 48 --vram-budget 15GiB
+  done
 fi
-( cd "$OUT" && tar czf logs.tgz logs && rm -rf logs )
+if [ -n "$CPU_EXPERTS" ]; then
+  for run in iq3_s:avx512:0 iq3_s:avx512:1 iq3_s:avx2:0 iq3_s:avx2:1 nvfp4:avx512:0 nvfp4:avx512:1; do
+    IFS=: read -r f isa exact <<< "$run"
+    CAPY_CPU_ISA=$isa CAPY_EXACT_MATH=$exact step "cpu-experts-$f-$isa-$exact" 90 .gpu/capy-flash \
+      bench --out "$LOGS/cpu-experts-$f-$isa-exact$exact.json" cpu-experts --format "$f" --threads 16 --batch 1
+  done
+  ( cd "$LOGS" && tar czf "$OUT/cpu-experts.tgz" cpu-experts-*.json )
+fi
+if [ -n "$COMPARE_RECORDS" ]; then
+  for r in 1:records 0:blocks; do
+    CAPY_NVFP4_RECORDS=${r%%:*} step "${r#*:}" 200 .gpu/capy-flash bench --out "$OUT/gpu-${r#*:}.json" \
+      gpu --synthetic qwen3.8-27b --quant nvfp4 --decode-tokens 16
+  done
+fi
+finish

@@ -1,0 +1,36 @@
+# Sourced by the device-call scripts here (run with carry [".gpu"] after build.sh): the
+# environment of the box, the fixture path the test executables were built at, a timed `step`
+# whose log lands in $LOGS, the ncu decode profile, and `finish`, which packs $LOGS into
+# $OUT/logs.tgz (a device call returns only a few files).
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
+export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
+LOGS=/tmp/capy-logs
+rm -rf "$LOGS"; mkdir -p "$LOGS"
+built_at=$(cat .gpu/built_at)
+if [ "$built_at" != "$PWD" ] && [ ! -e "$built_at" ]; then
+  mkdir -p "$(dirname "$built_at")" && ln -s "$PWD" "$built_at"
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv > "$LOGS/smi.txt"
+lscpu > "$LOGS/lscpu.txt"
+
+step() { # name timeout command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.txt" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s $(grep -h 'test result' "$LOGS/$name.txt" | tail -1)"
+  [ $rc -eq 0 ] || tail -25 "$LOGS/$name.txt"
+}
+
+# One 27B NVFP4 decode step's kernels under ncu, summed per kernel into $OUT/ncu-summary.json.
+ncu_decode_profile() {
+  CAPY_PROFILE_DECODE_STEPS=2 step ncu 300 ncu --clock-control none --cache-control none \
+    --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \
+    .gpu/capy-flash bench --out "$LOGS/gpu-ncu.json" gpu --synthetic qwen3.8-27b --quant nvfp4 \
+    --decode-tokens 8
+  python3 tools/gpu_box/ncu_summary.py "$LOGS/ncu.txt" 2 > "$OUT/ncu-summary.json"
+}
+
+finish() {
+  ( cd "$LOGS" && tar czf "$OUT/logs.tgz" . )
+}
