@@ -134,15 +134,7 @@ fn run_once<B: Backend>(
         seconds_per_token: seconds / o.tokens as f64,
         admissions_bytes_per_token: stats.admissions as f64 * expert_bytes / o.tokens as f64,
         stats,
-        times: ForwardTimes {
-            calls: times_after.calls - times_before.calls,
-            policy_s: times_after.policy_s - times_before.policy_s,
-            read_x_s: times_after.read_x_s - times_before.read_x_s,
-            resident_queue_s: times_after.resident_queue_s - times_before.resident_queue_s,
-            cpu_experts_s: times_after.cpu_experts_s - times_before.cpu_experts_s,
-            merge_s: times_after.merge_s - times_before.merge_s,
-            admit_s: times_after.admit_s - times_before.admit_s,
-        },
+        times: times_after.since(&times_before),
     })
 }
 
@@ -339,5 +331,25 @@ mod tests {
             + with["gpu_experts_per_token"].as_f64().unwrap();
         assert!((split - 8.0).abs() < 1e-9);
         assert!(with["placement_roofline_ratio"].as_f64().unwrap() > 0.0);
+        // The phases are measured parts of the token's time: none negative, the CPU's share
+        // present wherever experts ran on the CPU, and together no more than the whole.
+        for run in [with, cpu] {
+            let t = &run["where_the_time_goes"];
+            let phases: Vec<f64> = [
+                "policy_s",
+                "read_x_s",
+                "resident_queue_s",
+                "cpu_experts_s",
+                "merge_s",
+                "admit_s",
+            ]
+            .iter()
+            .map(|k| t[*k].as_f64().unwrap())
+            .collect();
+            assert!(phases.iter().all(|&p| p >= 0.0), "{t}");
+            assert!(t["cpu_experts_s"].as_f64().unwrap() > 0.0, "{t}");
+            let whole = run["moe_seconds_per_token"].as_f64().unwrap();
+            assert!(phases.iter().sum::<f64>() <= whole * (1.0 + 1e-9), "{t}");
+        }
     }
 }

@@ -45,7 +45,8 @@ pub struct ForwardTimes {
     /// Queuing the resident experts on the backend (launch cost on the host; the device runs
     /// them while the CPU computes).
     pub resident_queue_s: f64,
-    /// The CPU experts (the pool's run, caller included).
+    /// The CPU experts (the pool's run, caller included), after submitting the queued device
+    /// work.
     pub cpu_experts_s: f64,
     /// Uploading the CPU's partial sum and queuing its addition.
     pub merge_s: f64,
@@ -62,6 +63,18 @@ impl ForwardTimes {
         self.cpu_experts_s += o.cpu_experts_s;
         self.merge_s += o.merge_s;
         self.admit_s += o.admit_s;
+    }
+    /// The time spent since `before` (an earlier reading of the same counters).
+    pub fn since(&self, before: &ForwardTimes) -> ForwardTimes {
+        ForwardTimes {
+            calls: self.calls - before.calls,
+            policy_s: self.policy_s - before.policy_s,
+            read_x_s: self.read_x_s - before.read_x_s,
+            resident_queue_s: self.resident_queue_s - before.resident_queue_s,
+            cpu_experts_s: self.cpu_experts_s - before.cpu_experts_s,
+            merge_s: self.merge_s - before.merge_s,
+            admit_s: self.admit_s - before.admit_s,
+        }
     }
     pub fn total_s(&self) -> f64 {
         self.policy_s

@@ -13,6 +13,10 @@ use anyhow::{Context, Result};
 use cudarc::driver::{sys as drv_sys, CudaContext};
 use std::sync::{Arc, Mutex};
 
+/// Copies from this size up are checked against the registered ranges (the smallest routed
+/// expert matrix, an IQ3_S down projection, is about 0.5 MB).
+pub(super) const DIRECT_DMA_MIN_BYTES: usize = 64 << 10;
+
 /// Host ranges `[start, end)` registered by [`CudaBackend::pin`] and not yet released.
 #[derive(Default)]
 pub(super) struct PinnedRanges(Mutex<Vec<(usize, usize)>>);

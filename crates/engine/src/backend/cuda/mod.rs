@@ -766,7 +766,9 @@ impl CudaBackend {
         } else {
             // SAFETY: `data` is `bytes` bytes of plain values.
             let raw = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, bytes) };
-            if self.inner.pinned.contains(raw) {
+            // Only copies worth a DMA look the range up (an expert matrix, not a step's small
+            // tables), so the per-step uploads take no lock.
+            if bytes >= host_pin::DIRECT_DMA_MIN_BYTES && self.inner.pinned.contains(raw) {
                 // Page-locked already (the host expert store): DMA from it, no staging. The
                 // range stays registered, hence allocated, until its pin is dropped, and the
                 // pin waits for the device before it unregisters.
