@@ -473,6 +473,39 @@ pub fn moe_experts(
     )
 }
 
+/// [`moe_experts`], with the caller's own work `first` (queuing device launches) run on the
+/// calling thread while the other workers start on the gate/up rows (phase 1, the first
+/// phase that has work for every core); the caller then joins as worker 0
+/// ([`ExpertPool::run_after`]). The result is the same as without `first`; `first` runs
+/// exactly once when this returns `Ok`; not at all when the arguments are rejected.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_overlapping(
+    pool: &ExpertPool,
+    isa: Isa,
+    set: &ExpertSet,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    out: &mut [f32],
+    scratch: &mut MoeScratch,
+    first: impl FnOnce(),
+) -> Result<()> {
+    moe_experts_on(
+        pool,
+        isa,
+        fused::math_path(),
+        set,
+        x,
+        ids,
+        weights,
+        top_k,
+        out,
+        scratch,
+        first,
+    )
+}
+
 /// [`moe_experts`] on an explicit math path.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts_with(
@@ -486,6 +519,36 @@ pub fn moe_experts_with(
     top_k: usize,
     out: &mut [f32],
     scratch: &mut MoeScratch,
+) -> Result<()> {
+    moe_experts_on(
+        pool,
+        isa,
+        path,
+        set,
+        x,
+        ids,
+        weights,
+        top_k,
+        out,
+        scratch,
+        || {},
+    )
+}
+
+/// [`moe_experts_overlapping`] on an explicit math path.
+#[allow(clippy::too_many_arguments)]
+fn moe_experts_on(
+    pool: &ExpertPool,
+    isa: Isa,
+    path: MathPath,
+    set: &ExpertSet,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    out: &mut [f32],
+    scratch: &mut MoeScratch,
+    first: impl FnOnce(),
 ) -> Result<()> {
     let ExpertShape {
         hidden: h_dim,
@@ -590,12 +653,13 @@ pub fn moe_experts_with(
     }
 
     // Phase 1: h[pair] = silu(gate · x) ⊙ (up · x); tasks are (expert, block of row pairs),
-    // so the ~10 experts of a decode step spread over every core.
+    // so the ~10 experts of a decode step spread over every core. Tasks come from a counter,
+    // so the caller's `first` only leaves it fewer of them.
     let blocks_per_expert = i_dim.div_ceil(GATE_UP_ROWS_PER_TASK);
     let tasks = active.len() * blocks_per_expert;
     let next = AtomicUsize::new(0);
     let gu_row = l.gate_up_row_bytes;
-    pool.run(&|worker| {
+    let gate_up_job = |worker: usize| {
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..h_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
@@ -648,7 +712,8 @@ pub fn moe_experts_with(
                 }
             }
         }
-    });
+    };
+    pool.run_after(&gate_up_job, first);
 
     // Phase 2: out[token][j] += w · (down_e[j] · h[pair]), experts in id order; tasks are
     // blocks of output rows, so each output element has one writer.
@@ -709,5 +774,77 @@ impl SharedOut {
     unsafe fn add(&self, i: usize, v: f32) {
         assert!(i < self.1);
         *self.0.add(i) += v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn overlapping_gives_the_same_output_and_runs_first_once_on_the_caller() {
+        let shape = ExpertShape {
+            hidden: 256,
+            intermediate: 128,
+        };
+        let fmt = RowFormat::Ggml(GgmlType::Q8_0);
+        let layout = ExpertLayout::new(fmt, fmt, shape).unwrap();
+        let (experts, top_k) = (8, 2);
+        let mut set = ExpertSet::zeroed(layout, experts);
+        set.randomize(5);
+        let mut rng = SplitMix(9);
+        // One token (phase 0 on the caller) and five (phase 0 on the pool).
+        for n in [1, 5] {
+            let x: Vec<f32> = (0..n * shape.hidden).map(|_| rng.unit() - 0.5).collect();
+            let ids: Vec<u32> = (0..n * top_k)
+                .map(|p| (rng.next() % experts as u64) as u32)
+                .collect();
+            let weights: Vec<f32> = (0..ids.len()).map(|_| rng.unit()).collect();
+            for threads in [1, 3] {
+                let pool = ExpertPool::new(threads, false);
+                let mut scratch = MoeScratch::new(shape, experts, n, top_k, threads);
+                let isa = Isa::detect();
+                let mut want = vec![0.25f32; x.len()];
+                moe_experts(
+                    &pool,
+                    isa,
+                    &set,
+                    &x,
+                    &ids,
+                    &weights,
+                    top_k,
+                    &mut want,
+                    &mut scratch,
+                )
+                .unwrap();
+                let mut got = vec![0.25f32; x.len()];
+                let caller = std::thread::current().id();
+                let first_runs = AtomicUsize::new(0);
+                moe_experts_overlapping(
+                    &pool,
+                    isa,
+                    &set,
+                    &x,
+                    &ids,
+                    &weights,
+                    top_k,
+                    &mut got,
+                    &mut scratch,
+                    || {
+                        assert_eq!(std::thread::current().id(), caller);
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        first_runs.fetch_add(1, Ordering::Relaxed);
+                    },
+                )
+                .unwrap();
+                assert_eq!(first_runs.load(Ordering::Relaxed), 1);
+                let same = want
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{n} tokens, {threads} threads: outputs differ");
+            }
+        }
     }
 }
