@@ -42,12 +42,17 @@ pub struct ForwardTimes {
     pub policy_s: f64,
     /// Reading `x` back to the host: waits for the device's queued work (the step so far).
     pub read_x_s: f64,
-    /// Queuing the resident experts on the backend (launch cost on the host; the device runs
-    /// them while the CPU computes).
+    /// Queuing the resident experts on the backend and, where experts also run on the CPU,
+    /// submitting the queued device work (launch cost on the host; the device runs them while
+    /// the CPU computes). With CPU experts this runs inside `cpu_experts_s`, on the calling
+    /// thread while the other workers compute (see `resident_queue_during_cpu_s`).
     pub resident_queue_s: f64,
-    /// The CPU experts (the pool's run, caller included), after submitting the queued device
-    /// work.
+    /// The CPU experts: the wall time of the pool's run, caller included (and so the resident
+    /// queuing the caller does at its start).
     pub cpu_experts_s: f64,
+    /// The part of `resident_queue_s` that ran inside `cpu_experts_s` (counted in both; the
+    /// calling thread's time is [`ForwardTimes::total_s`], which counts it once).
+    pub resident_queue_during_cpu_s: f64,
     /// Uploading the CPU's partial sum and queuing its addition.
     pub merge_s: f64,
     /// Queuing the copies of admitted experts.
@@ -61,6 +66,7 @@ impl ForwardTimes {
         self.read_x_s += o.read_x_s;
         self.resident_queue_s += o.resident_queue_s;
         self.cpu_experts_s += o.cpu_experts_s;
+        self.resident_queue_during_cpu_s += o.resident_queue_during_cpu_s;
         self.merge_s += o.merge_s;
         self.admit_s += o.admit_s;
     }
@@ -72,10 +78,13 @@ impl ForwardTimes {
             read_x_s: self.read_x_s - before.read_x_s,
             resident_queue_s: self.resident_queue_s - before.resident_queue_s,
             cpu_experts_s: self.cpu_experts_s - before.cpu_experts_s,
+            resident_queue_during_cpu_s: self.resident_queue_during_cpu_s
+                - before.resident_queue_during_cpu_s,
             merge_s: self.merge_s - before.merge_s,
             admit_s: self.admit_s - before.admit_s,
         }
     }
+    /// The calling thread's time: every phase, the overlapped queuing counted once.
     pub fn total_s(&self) -> f64 {
         self.policy_s
             + self.read_x_s
@@ -83,6 +92,7 @@ impl ForwardTimes {
             + self.cpu_experts_s
             + self.merge_s
             + self.admit_s
+            - self.resident_queue_during_cpu_s
     }
 }
 
@@ -284,7 +294,9 @@ impl<M> Resident<M> {
 impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act {
         let (n, hidden) = b.shape(x);
-        let mut st = self.state.lock().expect("expert state");
+        let mut guard = self.state.lock().expect("expert state");
+        // Through a plain reference, so that fields can be borrowed apart.
+        let st = &mut *guard;
         let mut clock = Instant::now();
         let mut lap = || {
             let now = Instant::now();
@@ -331,59 +343,82 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
         t.read_x_s = lap();
 
         // 2. Resident pairs on the backend, over the compact slot list (asynchronous on a GPU).
-        let mut out = match &split.resident {
-            Some(r) => {
-                let compact = MoeRouting {
-                    top_k: r.top_k,
-                    experts: r
-                        .experts
-                        .iter()
-                        .map(|&e| st.slot_of[e as usize].expect("resident expert has a slot"))
-                        .collect(),
-                    weights: r.weights.clone(),
-                };
-                if self.interleaved {
-                    b.moe_experts_interleaved(x, &compact, &st.slots)
-                        .expect("the backend takes interleaved experts (checked at construction)")
-                } else {
-                    b.moe_experts(x, &compact, &st.slots)
+        let (slots, slot_of) = (&st.slots, &st.slot_of);
+        let queue_resident = || -> B::Act {
+            match &split.resident {
+                Some(r) => {
+                    let compact = MoeRouting {
+                        top_k: r.top_k,
+                        experts: r
+                            .experts
+                            .iter()
+                            .map(|&e| slot_of[e as usize].expect("resident expert has a slot"))
+                            .collect(),
+                        weights: r.weights.clone(),
+                    };
+                    if self.interleaved {
+                        b.moe_experts_interleaved(x, &compact, slots).expect(
+                            "the backend takes interleaved experts (checked at construction)",
+                        )
+                    } else {
+                        b.moe_experts(x, &compact, slots)
+                    }
                 }
+                None => b.zeros(n, hidden),
             }
-            None => b.zeros(n, hidden),
         };
-        t.resident_queue_s = lap();
 
-        // 3. Host pairs on the CPU expert kernels, while the device works.
-        if let (Some(h), Some(x_host)) = (&split.host, &x_host) {
-            b.submit();
-            let pairs = h.experts.len();
-            if st.scratch.is_none() || st.scratch_pairs < pairs {
-                st.scratch = Some(MoeScratch::new(
-                    self.host.layout.shape,
-                    self.host.experts,
-                    n,
+        // 3. Host pairs on the CPU expert kernels. The workers start on them first; the
+        // calling thread queues the resident experts meanwhile, then joins them: the launch
+        // cost overlaps the CPU's work instead of preceding it.
+        let out = match (&split.host, &x_host) {
+            (Some(h), Some(x_host)) => {
+                let pairs = h.experts.len();
+                if st.scratch.is_none() || st.scratch_pairs < pairs {
+                    st.scratch = Some(MoeScratch::new(
+                        self.host.layout.shape,
+                        self.host.experts,
+                        n,
+                        h.top_k,
+                        self.pool.threads(),
+                    ));
+                    st.scratch_pairs = n * h.top_k;
+                }
+                let mut y = vec![0f32; n * hidden];
+                let mut resident_out = None;
+                let mut resident_queue_s = 0.0;
+                experts::moe_experts_overlapping(
+                    &self.pool,
+                    self.isa,
+                    &self.host,
+                    x_host,
+                    &h.experts,
+                    &h.weights,
                     h.top_k,
-                    self.pool.threads(),
-                ));
-                st.scratch_pairs = n * h.top_k;
+                    &mut y,
+                    st.scratch.as_mut().expect("sized above"),
+                    || {
+                        let start = Instant::now();
+                        resident_out = Some(queue_resident());
+                        b.submit();
+                        resident_queue_s = start.elapsed().as_secs_f64();
+                    },
+                )
+                .expect("host experts: shapes were checked at load");
+                t.cpu_experts_s = lap();
+                t.resident_queue_s = resident_queue_s;
+                t.resident_queue_during_cpu_s = resident_queue_s;
+                let mut out = resident_out.expect("the pool runs the caller's work");
+                b.add_assign(&mut out, &b.from_host(n, hidden, &y));
+                t.merge_s = lap();
+                out
             }
-            let mut y = vec![0f32; n * hidden];
-            experts::moe_experts(
-                &self.pool,
-                self.isa,
-                &self.host,
-                x_host,
-                &h.experts,
-                &h.weights,
-                h.top_k,
-                &mut y,
-                st.scratch.as_mut().expect("sized above"),
-            )
-            .expect("host experts: shapes were checked at load");
-            t.cpu_experts_s = lap();
-            b.add_assign(&mut out, &b.from_host(n, hidden, &y));
-            t.merge_s = lap();
-        }
+            _ => {
+                let out = queue_resident();
+                t.resident_queue_s = lap();
+                out
+            }
+        };
 
         // 4. Copy in what the cache admitted (used from the next step).
         for e in admit {
@@ -410,5 +445,140 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
         t.admit_s = lap();
         st.times.add(&t);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::experts::{ExpertLayout, RowFormat};
+    use crate::backend::cpu::CpuBackend;
+    use crate::quant::GgmlType;
+
+    const HIDDEN: usize = 64;
+    const EXPERTS: usize = 6;
+
+    fn host_set() -> Arc<ExpertSet> {
+        let shape = ExpertShape {
+            hidden: HIDDEN,
+            intermediate: 32,
+        };
+        let fmt = RowFormat::Ggml(GgmlType::Q8_0);
+        let mut set = ExpertSet::zeroed(ExpertLayout::new(fmt, fmt, shape).unwrap(), EXPERTS);
+        set.randomize(4);
+        Arc::new(set)
+    }
+
+    /// Three rows: one split across the sides, one resident only, one host only.
+    fn routing() -> MoeRouting {
+        MoeRouting {
+            top_k: 2,
+            experts: vec![0, 1, 2, 4, 3, 5],
+            weights: vec![0.6, 0.4, 0.7, 0.3, 0.5, 0.5],
+        }
+    }
+
+    fn input(b: &CpuBackend, n: usize) -> (Vec<f32>, <CpuBackend as Backend>::Act) {
+        let x: Vec<f32> = (0..n * HIDDEN)
+            .map(|i| (i * 37 % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let act = b.from_host(n, HIDDEN, &x);
+        (x, act)
+    }
+
+    /// Publishing the host experts first and queuing the resident ones from inside the pool
+    /// call adds the same two partial sums, in the same order, as running the sides one after
+    /// the other; the queuing is timed inside the CPU phase and counted once.
+    #[test]
+    fn mixed_placement_adds_the_same_partial_sums_and_counts_the_overlap_once() {
+        let b = CpuBackend::new();
+        let set = host_set();
+        let resident: Vec<bool> = (0..EXPERTS).map(|e| e % 2 == 0).collect();
+        let routing = routing();
+        let n = routing.experts.len() / routing.top_k;
+        let (x_host, x) = input(&b, n);
+        for threads in [1, 3] {
+            let pool = Arc::new(ExpertPool::new(threads, false));
+            let layer = HybridExperts::new(
+                &b,
+                0,
+                set.clone(),
+                pool.clone(),
+                Isa::detect(),
+                Placement::Fixed(resident.clone()),
+            )
+            .unwrap();
+            let got = b.to_host(&layer.forward(&b, &x, &routing));
+
+            let split = split_routing(&routing, |e| resident[e as usize]);
+            let slots: Vec<_> = (0..EXPERTS)
+                .filter(|&e| resident[e])
+                .map(|e| upload(&b, &set, e).unwrap())
+                .collect();
+            let slot_of = |e: u32| (0..e as usize).filter(|&f| resident[f]).count() as u32;
+            let r = split.resident.unwrap();
+            let compact = MoeRouting {
+                top_k: r.top_k,
+                experts: r.experts.iter().map(|&e| slot_of(e)).collect(),
+                weights: r.weights.clone(),
+            };
+            let mut want = b.moe_experts(&x, &compact, &slots);
+            let h = split.host.unwrap();
+            let mut y = vec![0f32; n * HIDDEN];
+            let mut scratch = MoeScratch::new(set.layout.shape, EXPERTS, n, h.top_k, threads);
+            experts::moe_experts(
+                &pool,
+                Isa::detect(),
+                &set,
+                &x_host,
+                &h.experts,
+                &h.weights,
+                h.top_k,
+                &mut y,
+                &mut scratch,
+            )
+            .unwrap();
+            b.add_assign(&mut want, &b.from_host(n, HIDDEN, &y));
+            let want = b.to_host(&want);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "{threads} threads: the hybrid forward differs from the two sides in turn"
+            );
+
+            let t = layer.times();
+            assert_eq!(t.calls, 1);
+            assert!(t.resident_queue_s > 0.0, "{t:?}");
+            assert_eq!(t.resident_queue_during_cpu_s, t.resident_queue_s, "{t:?}");
+            assert!(t.resident_queue_s <= t.cpu_experts_s, "{t:?}");
+            let once = t.policy_s + t.read_x_s + t.cpu_experts_s + t.merge_s + t.admit_s;
+            assert!((t.total_s() - once).abs() < 1e-12, "{t:?}");
+        }
+    }
+
+    /// With every expert resident nothing runs on the CPU: the resident queuing is a phase
+    /// of its own.
+    #[test]
+    fn all_resident_queues_outside_the_cpu_phase() {
+        let b = CpuBackend::new();
+        let set = host_set();
+        let routing = routing();
+        let (_, x) = input(&b, routing.experts.len() / routing.top_k);
+        let pool = Arc::new(ExpertPool::new(2, false));
+        let layer = HybridExperts::new(
+            &b,
+            0,
+            set,
+            pool,
+            Isa::detect(),
+            Placement::Fixed(vec![true; EXPERTS]),
+        )
+        .unwrap();
+        layer.forward(&b, &x, &routing);
+        let t = layer.times();
+        assert!(t.resident_queue_s > 0.0, "{t:?}");
+        assert_eq!(t.cpu_experts_s, 0.0, "{t:?}");
+        assert_eq!(t.resident_queue_during_cpu_s, 0.0, "{t:?}");
     }
 }
