@@ -77,3 +77,15 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// The int8 activations the records matvecs read (kernels/quant_matvec.cu `quantize_x_q8r`),
+// written by the kernel that produces x: a whole warp calls this with lane j holding value
+// 32c + j of a row of `in` values; plane A (values 0..15 of each 32) at 16c, plane B at
+// in/2 + 16c, xs[c] = amax / 127. Bit-identical to `quantize_x_q8r` on the same values.
+__device__ __forceinline__ void warp_store_q8r(float o, u64 c, int in, unsigned char* xq, float* xs) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(o));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    xq[(lane < 16 ? 0 : (u64)(in >> 1)) + 16 * c + (lane & 15)] = (unsigned char)(__float2int_rn(o * inv) & 255);
+    if (lane == 0) xs[c] = amax / 127.0f;
+}

@@ -163,3 +163,22 @@ extern "C" __global__ void causal_conv1d_state(const float* __restrict__ x, floa
         state[(u64)j * channels + c] = s >= 0 ? x[(u64)s * channels + c] : state[(u64)(j + n) * channels + c];
     }
 }
+
+// One row of n values (n % 32 == 0, one thread each) with its int8 copy for the next matvec
+// (warp_store_q8r): the fast path's versions of sigmoid_gate and silu_mul_halves.
+extern "C" __global__ void sigmoid_gate_q8(const float* x, const float* gate, float* out, int n, unsigned char* xq,
+                                           float* xs) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;  // whole warps, as n % 32 == 0
+    const float o = x[i] * sigmoid_f(gate[i]);
+    out[i] = o;
+    warp_store_q8r(o, (u64)(i >> 5), n, xq, xs);
+}
+
+extern "C" __global__ void silu_mul_halves_q8(const float* gu, float* out, int inter, unsigned char* xq, float* xs) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= inter) return;
+    const float o = silu_f(gu[i]) * gu[inter + i];
+    out[i] = o;
+    warp_store_q8r(o, (u64)(i >> 5), inter, xq, xs);
+}

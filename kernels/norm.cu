@@ -9,42 +9,54 @@
 
 #define NORM_VALS 8
 
-__device__ __forceinline__ void rms_norm_group(float* x, const float* add, const float* w, const float* gate,
-                                               float* out, int group, float eps, int one_plus) {
+// Every load of the register path is issued before the first store: without `__restrict__`
+// and this order, each store to x or out could alias a later load of add, w or gate, so the
+// compiler kept them in program order and a row took 16 dependent memory round trips (8 µs).
+//
+// With `xq` set (one row, group % 32 == 0, blockDim.x % 32 == 0, the register path) the output
+// is also quantized as `quantize_x_q8r` does (warp_store_q8r), so the int8 matvec that reads it
+// next needs no quantize launch of its own.
+__device__ __forceinline__ void rms_norm_group(float* __restrict__ x, const float* __restrict__ add,
+                                               const float* __restrict__ w, const float* __restrict__ gate,
+                                               float* __restrict__ out, int group, float eps, int one_plus,
+                                               unsigned char* __restrict__ xq, float* __restrict__ xs) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * group;
     const int stride = blockDim.x;
     float ss = 0.0f;
     if (group <= stride * NORM_VALS) {
-        float v[NORM_VALS];
+        float v[NORM_VALS], a[NORM_VALS], scale[NORM_VALS], gt[NORM_VALS];
 #pragma unroll
         for (int k = 0; k < NORM_VALS; k++) {
             const int i = threadIdx.x + k * stride;
-            v[k] = i < group ? x[base + i] : 0.0f;
+            const bool in = i < group;
+            v[k] = in ? x[base + i] : 0.0f;
+            a[k] = in && add ? add[base + i] : 0.0f;
+            scale[k] = in ? (one_plus ? 1.0f + w[i] : w[i]) : 0.0f;
+            gt[k] = in && gate ? gate[base + i] : 0.0f;
         }
         if (add) {
 #pragma unroll
             for (int k = 0; k < NORM_VALS; k++) {
                 const int i = threadIdx.x + k * stride;
-                if (i < group) {
-                    v[k] += add[base + i];
-                    x[base + i] = v[k];
-                }
+                v[k] += a[k];
+                if (i < group) x[base + i] = v[k];
             }
         }
 #pragma unroll
         for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
         ss = block_sum(ss, scratch);
         const float inv = 1.0f / sqrtf(ss / (float)group + eps);
+        const int warp_first = threadIdx.x & ~31;
 #pragma unroll
         for (int k = 0; k < NORM_VALS; k++) {
             const int i = threadIdx.x + k * stride;
-            if (i < group) {
-                const float scale = one_plus ? 1.0f + w[i] : w[i];
-                float o = v[k] * inv * scale;
-                if (gate) o *= silu_f(gate[base + i]);
-                out[base + i] = o;
-            }
+            float o = v[k] * inv * scale[k];
+            if (gate) o *= silu_f(gt[k]);
+            if (i < group) out[base + i] = o;
+            // A warp's 32 values are consecutive and either all in the group or all past it.
+            if (xq && warp_first + k * stride < group)
+                warp_store_q8r(o, (base + warp_first + k * stride) >> 5, (int)(gridDim.x * group), xq, xs);
         }
         return;
     }
@@ -66,15 +78,16 @@ __device__ __forceinline__ void rms_norm_group(float* x, const float* add, const
     }
 }
 
+// xq/xs: null, or the int8 copy of out for the next matvec (see rms_norm_group).
 extern "C" __global__ void rms_norm(const float* x, const float* w, const float* gate, float* out, int group, float eps,
-                                    int one_plus) {
-    rms_norm_group((float*)x, nullptr, w, gate, out, group, eps, one_plus);
+                                    int one_plus, unsigned char* xq, float* xs) {
+    rms_norm_group((float*)x, nullptr, w, gate, out, group, eps, one_plus, xq, xs);
 }
 
 // x += y, out = rms_norm(x).
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int group, float eps,
-                                        int one_plus) {
-    rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus);
+                                        int one_plus, unsigned char* xq, float* xs) {
+    rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus, xq, xs);
 }
 
 // Per-head RMSNorm then rotate-half RoPE on the first rotary_dim dims of the head (as the

@@ -689,6 +689,156 @@ fn gated_delta_rule_matches_cpu_in_both_modes() {
     }
 }
 
+/// Every records matvec (the plain kernel and each split-K variant) on the shapes they are
+/// chosen for, against the CPU on the dequantized matrix (the int8 activations: within 1% of
+/// the output scale) and against each other (the same int8 products summed in another order).
+#[test]
+fn records_matvec_variants_agree() {
+    use capy_engine::backend::cpu::experts::format::RowFormat;
+    use capy_engine::backend::cpu::experts::random_blocks;
+    use capy_engine::backend::cuda::{RecordsKernel, NVFP4R_SPLITK};
+    let Some(f) = fast_gpu() else { return };
+    let c = CpuBackend::new();
+    f.set_nvfp4_records(true);
+    let mut r = Rng(41);
+    // A row count that is not a multiple of any block's rows; 2, 5, 6 and 17 records.
+    for (rows, cols) in [(1037, 2048), (1037, 5120), (515, 6144), (1037, 17408)] {
+        let blocks = random_blocks(
+            RowFormat::Nvfp4,
+            rows * cols / 16,
+            rows as u64 + cols as u64,
+        );
+        let mc = c
+            .quant_matrix(RowFormat::Nvfp4, rows, cols, &blocks, 0.0125)
+            .unwrap();
+        let mf = f
+            .quant_matrix(RowFormat::Nvfp4, rows, cols, &blocks, 0.0125)
+            .unwrap();
+        let x = r.vec(cols, 1.0);
+        let (xc, xf) = pair(&f, 1, cols, &x);
+        let want = c.linear(&xc, &mc).data;
+        f.set_records_kernel(RecordsKernel::Plain);
+        let plain = f.to_host(&f.linear(&xf, &mf));
+        let (worst, scale) = deviation(&plain, &want);
+        assert!(
+            worst <= 0.01 * scale,
+            "plain {rows}x{cols}: {worst} (scale {scale})"
+        );
+        for k in NVFP4R_SPLITK {
+            if cols / 1024 < k.ks {
+                continue; // a warp with no records: never chosen
+            }
+            f.set_records_kernel(RecordsKernel::SplitK(k));
+            let got = f.to_host(&f.linear(&xf, &mf));
+            let (worst, scale) = deviation(&got, &plain);
+            assert!(
+                worst <= 1e-5 * (1.0 + scale),
+                "{} {rows}x{cols} against the plain kernel: {worst} (scale {scale})",
+                k.name
+            );
+        }
+    }
+    f.set_records_kernel(RecordsKernel::Auto);
+}
+
+/// On the fast path the one-row producers of a records matvec's input (the norms, the gated
+/// norm, SwiGLU, the attention output gate) write its int8 copy themselves: the matvec then
+/// skips `quantize_x_q8r`, and its output must be bit-identical to quantizing separately. An
+/// in-place write drops the copy.
+#[test]
+fn producers_int8_copy_equals_quantizing_in_the_matvec() {
+    use capy_engine::backend::cpu::experts::format::RowFormat;
+    use capy_engine::backend::cpu::experts::random_blocks;
+    let Some(f) = fast_gpu() else { return };
+    let c = CpuBackend::new();
+    f.set_nvfp4_records(true);
+    let mut r = Rng(31);
+    let matrix = |cols: usize, seed: u64| {
+        let blocks = random_blocks(RowFormat::Nvfp4, 70 * cols / 16, seed);
+        f.quant_matrix(RowFormat::Nvfp4, 70, cols, &blocks, 0.0125)
+            .unwrap()
+    };
+    // The same values without the copy: the matvec quantizes them itself.
+    let requantized = |t: &<CudaBackend as Backend>::Act| {
+        let (rows, cols) = f.shape(t);
+        f.from_host(rows, cols, &f.to_host(t))
+    };
+    let check = |what: &str,
+                 out: &<CudaBackend as Backend>::Act,
+                 want: &[f32],
+                 m: &<CudaBackend as Backend>::Matrix| {
+        assert!(out.has_int8_copy(), "{what}: no int8 copy on the fast path");
+        let (worst, scale) = deviation(&f.to_host(out), want);
+        assert!(
+            worst <= 1e-4 * (1.0 + scale),
+            "{what}: values deviate by {worst} (scale {scale})"
+        );
+        let fused = f.to_host(&f.linear(out, m));
+        let separate = f.to_host(&f.linear(&requantized(out), m));
+        assert_eq!(
+            fused, separate,
+            "{what}: matvec on the producer's int8 copy"
+        );
+    };
+    let m5120 = matrix(5120, 1);
+    let m6144 = matrix(6144, 2);
+    let m17408 = matrix(17408, 3);
+    for scale in [NormScale::OnePlus, NormScale::Plain] {
+        let x = r.vec(5120, 3.0);
+        let y = r.vec(5120, 3.0);
+        let w = r.vec(5120, 0.5);
+        let (mut xc, mut xf) = pair(&f, 1, 5120, &x);
+        let (yc, yf) = pair(&f, 1, 5120, &y);
+        let wf = f.vector(&w).unwrap();
+        let want = c.add_rms_norm(&mut xc, &yc, &w, 1e-6, scale, 5120).data;
+        let mut out = f.add_rms_norm(&mut xf, &yf, &wf, 1e-6, scale, 5120);
+        check(&format!("add_rms_norm {scale:?}"), &out, &want, &m5120);
+        let want = c.rms_norm(&xc, &w, 1e-6, scale, 5120).data;
+        check(
+            &format!("rms_norm {scale:?}"),
+            &f.rms_norm(&xf, &wf, 1e-6, scale, 5120),
+            &want,
+            &m5120,
+        );
+        // Written in place: the copy goes, and the matvec sees the new values.
+        f.add_assign(&mut out, &yf);
+        assert!(!out.has_int8_copy(), "add_assign keeps a stale int8 copy");
+        assert_eq!(
+            f.to_host(&f.linear(&out, &m5120)),
+            f.to_host(&f.linear(&requantized(&out), &m5120)),
+            "matvec after an in-place add"
+        );
+    }
+    // The GDN output norm: 48 heads of 128, gated.
+    let (x, z, w) = (r.vec(6144, 2.0), r.vec(6144, 2.0), r.vec(128, 0.5));
+    let ((xc, xf), (zc, zf)) = (pair(&f, 1, 6144, &x), pair(&f, 1, 6144, &z));
+    let want = c.rms_norm_gated(&xc, &zc, &w, 1e-6, 128).data;
+    let wf = f.vector(&w).unwrap();
+    check(
+        "rms_norm_gated 48x128",
+        &f.rms_norm_gated(&xf, &zf, &wf, 1e-6, 128),
+        &want,
+        &m6144,
+    );
+    // The attention output gate and SwiGLU.
+    let want = c.sigmoid_gate(&xc, &zc).data;
+    check(
+        "sigmoid_gate 6144",
+        &f.sigmoid_gate(&xf, &zf),
+        &want,
+        &m6144,
+    );
+    let gu = r.vec(2 * 17408, 4.0);
+    let (gc, gf) = pair(&f, 1, 2 * 17408, &gu);
+    let want = c.silu_mul_halves(&gc).data;
+    check(
+        "silu_mul_halves 17408",
+        &f.silu_mul_halves(&gf),
+        &want,
+        &m17408,
+    );
+}
+
 /// The fused decode ops (split_cols, silu_mul_halves, add_rms_norm, the packed delta rule,
 /// rms_norm_rope) and the cached RoPE positions against the CPU backend, whose defaults
 /// compose the plain ops.

@@ -82,6 +82,7 @@ fn quant_functions() -> Vec<String> {
             .filter(|r| *r != 3)
             .map(|r| format!("quant_matvec_nvfp4r_q8_{r}")),
     );
+    v.extend(super::NVFP4R_SPLITK.iter().map(|k| k.name.to_string()));
     v
 }
 
@@ -107,6 +108,8 @@ pub fn sources() -> Vec<KernelSource> {
                 "copy_cols",
                 "split_cols4",
                 "silu_mul_halves",
+                "sigmoid_gate_q8",
+                "silu_mul_halves_q8",
                 "delta_rule_gates",
                 "f32_to_bf16_kernel",
                 "f32_to_f16_kernel",

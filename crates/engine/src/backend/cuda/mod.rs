@@ -47,6 +47,109 @@ const NVFP4R_ROWS_PER_WARP: usize = 2;
 /// The records kernel of `NVFP4R_ROWS_PER_WARP` rows (named once: no string built per call).
 const NVFP4R_KERNEL: &str = "quant_matvec_nvfp4r_q8_2";
 const NVFP4R_WARPS: usize = 8;
+
+/// A records matvec with each row's records split over `ks` warps (kernels/quant_matvec.cu
+/// `quant_matvec_nvfp4r_q8k_*`): `rpw` rows a warp, `8 / ks` row groups a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nvfp4rSplitK {
+    pub name: &'static str,
+    pub rpw: usize,
+    pub ks: usize,
+}
+
+/// In order of preference: more rows a warp (fewer x reloads), fewer warps a row (less to add).
+pub const NVFP4R_SPLITK: [Nvfp4rSplitK; 6] = [
+    Nvfp4rSplitK {
+        name: "quant_matvec_nvfp4r_q8k_2_2",
+        rpw: 2,
+        ks: 2,
+    },
+    Nvfp4rSplitK {
+        name: "quant_matvec_nvfp4r_q8k_2_4",
+        rpw: 2,
+        ks: 4,
+    },
+    Nvfp4rSplitK {
+        name: "quant_matvec_nvfp4r_q8k_1_2",
+        rpw: 1,
+        ks: 2,
+    },
+    Nvfp4rSplitK {
+        name: "quant_matvec_nvfp4r_q8k_1_4",
+        rpw: 1,
+        ks: 4,
+    },
+    Nvfp4rSplitK {
+        name: "quant_matvec_nvfp4r_q8k_2_8",
+        rpw: 2,
+        ks: 8,
+    },
+    Nvfp4rSplitK {
+        name: "quant_matvec_nvfp4r_q8k_1_8",
+        rpw: 1,
+        ks: 8,
+    },
+];
+
+/// The split-K records kernel for a `[rows, cols]` matrix, or `None` where the plain one
+/// (`NVFP4R_ROWS_PER_WARP` rows a warp) already gives every SM a full load of 8 blocks. The
+/// first variant (in `NVFP4R_SPLITK` order) that reaches 8 blocks an SM with at least 2
+/// records a warp; failing that, the one with the most blocks.
+pub fn nvfp4r_splitk_plan(
+    rows: usize,
+    cols: usize,
+    multiprocessors: usize,
+) -> Option<Nvfp4rSplitK> {
+    let full = 8 * multiprocessors.max(1);
+    let blocks = |rpw: usize, ks: usize| ceil_div(rows, rpw * (NVFP4R_WARPS / ks));
+    if blocks(NVFP4R_ROWS_PER_WARP, 1) >= full {
+        return None;
+    }
+    let records = cols / 1024;
+    let fits: Vec<Nvfp4rSplitK> = NVFP4R_SPLITK
+        .iter()
+        .copied()
+        .filter(|k| records >= 2 * k.ks)
+        .collect();
+    fits.iter()
+        .copied()
+        .find(|k| blocks(k.rpw, k.ks) >= full)
+        .or_else(|| {
+            fits.iter()
+                .copied()
+                .max_by_key(|k| (blocks(k.rpw, k.ks), std::cmp::Reverse(k.ks)))
+        })
+        .filter(|k| blocks(k.rpw, k.ks) > blocks(NVFP4R_ROWS_PER_WARP, 1))
+}
+
+/// Which NVFP4 records matvec one-row products take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordsKernel {
+    /// Split-K where `nvfp4r_splitk_plan` says so (the default).
+    Auto,
+    /// The plain kernel for every shape.
+    Plain,
+    /// This split-K variant for every shape (tests).
+    SplitK(Nvfp4rSplitK),
+}
+
+fn records_kernel_code(k: RecordsKernel) -> u64 {
+    match k {
+        RecordsKernel::Auto => 0,
+        RecordsKernel::Plain => 1,
+        RecordsKernel::SplitK(v) => {
+            2 + NVFP4R_SPLITK
+                .iter()
+                .position(|x| *x == v)
+                .expect("a variant of NVFP4R_SPLITK") as u64
+        }
+    }
+}
+
+/// `CAPY_NVFP4R_SPLITK=0` keeps the plain records kernel for every shape (for comparisons).
+fn nvfp4r_splitk_enabled() -> bool {
+    std::env::var("CAPY_NVFP4R_SPLITK").map_or(true, |v| v != "0")
+}
 /// Query rows from which attention uses cuBLAS (scores as a matrix product) instead of the
 /// split-KV kernel.
 const ATTENTION_GEMM_MIN_ROWS: usize = 16;
@@ -188,6 +291,10 @@ struct Inner {
     synthetic_quant: Mutex<Option<RowFormat>>,
     /// NVFP4 matrices uploaded from now on are repacked into records (nvfp4_records.rs).
     nvfp4_records: std::sync::atomic::AtomicBool,
+    /// Some matrix was repacked into NVFP4 records: one-row producers write int8 copies.
+    records_loaded: std::sync::atomic::AtomicBool,
+    /// Which records matvec a one-row product takes (`RecordsKernel`, as `records_kernel_code`).
+    records_kernel: AtomicU64,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
     graphs: graph::GraphRecorder,
     /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
@@ -310,12 +417,21 @@ pub struct CudaTensor {
     cols: usize,
     capacity: usize,
     buf: DevBuf,
+    /// The int8 copy of a one-row tensor for the NVFP4 records matvec (`quantize_x_q8r`'s
+    /// layout), written by the kernel that produced the tensor on the fast path so that the
+    /// matvecs reading it skip their quantize launch. Dropped by every in-place write.
+    q8: Option<DevBuf>,
 }
 
 impl CudaTensor {
     /// Rows the buffer holds before an append has to move it.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+    /// Whether the producing kernel left an int8 copy for the records matvec (tests check
+    /// that the fused path is the one taken).
+    pub fn has_int8_copy(&self) -> bool {
+        self.q8.is_some()
     }
     fn ptr(&self) -> u64 {
         self.buf.ptr
@@ -325,6 +441,18 @@ impl CudaTensor {
     }
     fn len(&self) -> usize {
         self.rows * self.cols
+    }
+    /// The values are about to change in place: an int8 copy would be stale.
+    fn written(&mut self) {
+        self.q8 = None;
+    }
+    /// (plane pointer, scales pointer) of the int8 copy, or (0, 0) for none: the arguments
+    /// of the kernels that fill it.
+    fn q8_args(&self) -> (u64, u64) {
+        match &self.q8 {
+            Some(b) => (b.ptr, b.ptr + self.cols as u64),
+            None => (0, 0),
+        }
     }
 }
 
@@ -446,8 +574,23 @@ fn ceil_div(a: usize, b: usize) -> usize {
 /// Threads of a norm block over groups of `group` values: each thread keeps up to
 /// `NORM_VALS` (8, kernels/norm.cu) of them in registers, so a 5120-value decode row is one
 /// round of loads over 640 threads instead of 20 dependent rounds over 256.
+/// Values a norm thread holds in registers (kernels/norm.cu `NORM_VALS`).
+const NORM_VALS: usize = 8;
+
 fn norm_threads(group: usize) -> usize {
-    ceil_div(ceil_div(group, 8), 32).clamp(1, 32) * 32
+    ceil_div(ceil_div(group, NORM_VALS), 32).clamp(1, 32) * 32
+}
+
+/// Keys per split of the decode attention: enough splits for about 4 blocks an SM (a decode
+/// step has only KV heads × query rows blocks a split: 4 for the 27B, and with 128-key splits
+/// at 8K context the cache was read by 2 blocks an SM at 1.2 TB/s), at least 64 keys a split
+/// (every split costs the combine a partial row), and at most 1024 splits (attn_combine's
+/// limit).
+fn attention_split_len(total: usize, blocks_per_split: usize, multiprocessors: usize) -> usize {
+    let want_splits = ceil_div(4 * multiprocessors.max(1), blocks_per_split.max(1));
+    ceil_div(total, want_splits)
+        .max(64)
+        .max(ceil_div(total, 1024))
 }
 
 /// Grid size for a grid-stride loop over `n` elements with 256-thread blocks.
@@ -628,6 +771,12 @@ impl CudaBackend {
                 matrix_elems: AtomicU64::new(0),
                 synthetic_quant: Mutex::new(None),
                 nvfp4_records: std::sync::atomic::AtomicBool::new(nvfp4_records::enabled_by_env()),
+                records_loaded: std::sync::atomic::AtomicBool::new(false),
+                records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
+                    RecordsKernel::Auto
+                } else {
+                    RecordsKernel::Plain
+                })),
                 graphs: graph::GraphRecorder::new(graph::graphs_requested()),
                 sync_allocated: Mutex::new(HashSet::new()),
             }),
@@ -650,6 +799,14 @@ impl CudaBackend {
     /// Elements of all matrices uploaded so far.
     pub fn matrix_elems(&self) -> u64 {
         self.inner.matrix_elems.load(Ordering::Relaxed)
+    }
+
+    /// Which records matvec one-row products take from now on (default `Auto`;
+    /// `CAPY_NVFP4R_SPLITK=0` starts at `Plain`).
+    pub fn set_records_kernel(&self, k: RecordsKernel) {
+        self.inner
+            .records_kernel
+            .store(records_kernel_code(k), Ordering::Relaxed);
     }
 
     /// Repack NVFP4 matrices uploaded from now on into records for the records matvec
@@ -951,6 +1108,36 @@ impl CudaBackend {
             cols,
             capacity,
             buf: self.alloc(capacity * cols * 4, "activations"),
+            q8: None,
+        }
+    }
+
+    /// `alloc_act(1, cols, 1)` with room for the int8 copy when a records matvec may read it
+    /// (the fast path, NVFP4 records loaded, a width the records kernel takes); otherwise
+    /// `alloc_act(rows, cols, rows)`.
+    fn alloc_act_q8(&self, rows: usize, cols: usize) -> CudaTensor {
+        let mut t = self.alloc_act(rows, cols, rows);
+        if self.wants_q8(rows, cols) {
+            t.q8 = Some(self.alloc(cols + cols / 32 * 4, "int8 activations"));
+        }
+        t
+    }
+
+    fn wants_q8(&self, rows: usize, cols: usize) -> bool {
+        rows == 1
+            && !self.inner.exact
+            && self.inner.records_loaded.load(Ordering::Relaxed)
+            && nvfp4_records::applies(cols)
+            && cols <= QMV8_MAX_COLS
+    }
+
+    /// The output of a norm over groups of `group`: with an int8 copy where the kernel can
+    /// write one (whole warps of a group in registers: kernels/norm.cu `rms_norm_group`).
+    fn norm_out(&self, x: &CudaTensor, group: usize) -> CudaTensor {
+        if group.is_multiple_of(32) && group <= norm_threads(group) * NORM_VALS {
+            self.alloc_act_q8(x.rows, x.cols)
+        } else {
+            self.alloc_act(x.rows, x.cols, x.rows)
         }
     }
 
@@ -1103,6 +1290,7 @@ impl CudaBackend {
         n: usize,
         out: &CudaTensor,
     ) {
+        state.written();
         assert!(
             s.k_head_dim <= 128,
             "gated delta rule: key head dim {} is above the kernel's 128",
@@ -1142,15 +1330,34 @@ impl CudaBackend {
         out: &CudaTensor,
     ) {
         let groups = w.cols / 32;
-        // Plane A and B (cols bytes), then a scale per group of 32.
-        let scratch = self.alloc(w.cols + groups * 4, "int8 activations");
-        let scales = scratch.ptr + w.cols as u64;
-        launch!(self, "quantize_x_q8r", (ceil_div(groups, 128) as u32, 1, 1), (128, 1, 1), 0;
-            x.ptr(), w.cols as i32, scratch.ptr, scales);
-        let rpw = NVFP4R_ROWS_PER_WARP;
-        let blocks = ceil_div(ceil_div(w.rows, rpw), NVFP4R_WARPS);
-        launch!(self, NVFP4R_KERNEL, (blocks as u32, 1, 1), (32 * NVFP4R_WARPS as u32, 1, 1), 0;
-            w.buf.ptr, scratch.ptr, scales, out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
+        // Plane A and B (cols bytes), then a scale per group of 32: the producer's copy, or
+        // quantized here.
+        let scratch;
+        let (planes, scales) = match x.q8_args() {
+            (0, _) => {
+                scratch = self.alloc(w.cols + groups * 4, "int8 activations");
+                let scales = scratch.ptr + w.cols as u64;
+                launch!(self, "quantize_x_q8r", (ceil_div(groups, 128) as u32, 1, 1), (128, 1, 1), 0;
+                    x.ptr(), w.cols as i32, scratch.ptr, scales);
+                (scratch.ptr, scales)
+            }
+            fused => fused,
+        };
+        let sms = self.inner.info.multiprocessors.max(1) as usize;
+        let splitk = match self.inner.records_kernel.load(Ordering::Relaxed) {
+            0 => nvfp4r_splitk_plan(w.rows, w.cols, sms),
+            1 => None,
+            v => Some(NVFP4R_SPLITK[v as usize - 2]),
+        };
+        let (kernel, blocks) = match splitk {
+            Some(k) => (k.name, ceil_div(w.rows, k.rpw * (NVFP4R_WARPS / k.ks))),
+            None => (
+                NVFP4R_KERNEL,
+                ceil_div(ceil_div(w.rows, NVFP4R_ROWS_PER_WARP), NVFP4R_WARPS),
+            ),
+        };
+        launch!(self, kernel, (blocks as u32, 1, 1), (32 * NVFP4R_WARPS as u32, 1, 1), 0;
+            w.buf.ptr, planes, scales, out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
     }
 
     /// The int8 (dp4a) decode matvec on the checkpoint's block layouts for one input row on
@@ -1349,6 +1556,7 @@ impl CudaBackend {
         s: DeltaRuleShape,
         out: &CudaTensor,
     ) {
+        state.written();
         const CHUNK: usize = 64;
         const TILE: usize = 32;
         let n = q.rows;
@@ -1384,12 +1592,15 @@ impl CudaBackend {
     ) {
         let n = q.rows;
         let total = k.rows;
-        // 128 keys a split, longer past 131K keys: attn_combine weighs at most 1024 splits.
-        let split_len = 128usize.max(ceil_div(total, 1024));
-        let splits = ceil_div(total, split_len).max(1);
         // Up to 6 query heads of one KV head a block (kernels/attention.cu, ATTN_GQA_MAX).
         let group = s.num_heads / s.num_kv_heads;
         let blocks = s.num_kv_heads * ceil_div(group, 6);
+        let split_len = attention_split_len(
+            total,
+            blocks * n,
+            self.inner.info.multiprocessors.max(1) as usize,
+        );
+        let splits = ceil_div(total, split_len).max(1);
         let part_o = self.alloc(
             n * s.num_heads * splits * s.head_dim * 4,
             "attention partials",
@@ -1713,6 +1924,7 @@ impl Backend for CudaBackend {
             && self.inner.nvfp4_records.load(Ordering::Relaxed)
         {
             self.htod(buf.ptr, &nvfp4_records::to_records(blocks, cols));
+            self.inner.records_loaded.store(true, Ordering::Relaxed);
             QF_NVFP4R
         } else {
             self.htod(buf.ptr, blocks);
@@ -1856,6 +2068,7 @@ impl Backend for CudaBackend {
     }
 
     fn append_rows(&self, dst: &mut CudaTensor, src: &CudaTensor) {
+        dst.written();
         assert_eq!(dst.cols, src.cols, "append_rows: column counts differ");
         let needed = dst.rows + src.rows;
         if needed > dst.capacity {
@@ -1870,6 +2083,7 @@ impl Backend for CudaBackend {
     }
 
     fn truncate_rows(&self, x: &mut CudaTensor, rows: usize) {
+        x.written();
         x.rows = x.rows.min(rows);
     }
 
@@ -1942,6 +2156,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        x.written();
         assert_eq!(
             x.len(),
             y.len(),
@@ -1974,12 +2189,13 @@ impl Backend for CudaBackend {
             "rms_norm: {} columns are not a multiple of {group}",
             x.cols
         );
-        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let out = self.norm_out(x, group);
         let groups = x.len() / group;
         if groups > 0 {
             let threads = norm_threads(group);
+            let (xq, xs) = out.q8_args();
             launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32);
+                x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32, xq, xs);
         }
         out
     }
@@ -2005,12 +2221,13 @@ impl Backend for CudaBackend {
             x.len()
         );
         assert_eq!(x.cols % group, 0);
-        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let out = self.norm_out(x, group);
         let groups = x.len() / group;
         if groups > 0 {
             let threads = norm_threads(group);
+            let (xq, xs) = out.q8_args();
             launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                x.ptr(), w.buf.ptr, gate.ptr(), out.ptr(), group as i32, eps, 0i32);
+                x.ptr(), w.buf.ptr, gate.ptr(), out.ptr(), group as i32, eps, 0i32, xq, xs);
         }
         out
     }
@@ -2026,11 +2243,18 @@ impl Backend for CudaBackend {
             gate_up.cols
         );
         let inter = gate_up.cols / 2;
-        let out = self.alloc_act(gate_up.rows, inter, gate_up.rows);
+        let out = self.alloc_act_q8(gate_up.rows, inter);
         let n = out.len();
-        if n > 0 {
-            launch!(self, "silu_mul_halves", grid_1d(n), (256, 1, 1), 0;
-                gate_up.ptr(), out.ptr(), gate_up.rows as u64, inter as i32);
+        match out.q8_args() {
+            _ if n == 0 => {}
+            (0, _) => {
+                launch!(self, "silu_mul_halves", grid_1d(n), (256, 1, 1), 0;
+                    gate_up.ptr(), out.ptr(), gate_up.rows as u64, inter as i32);
+            }
+            (xq, xs) => {
+                launch!(self, "silu_mul_halves_q8", (ceil_div(inter, 256) as u32, 1, 1), (256, 1, 1), 0;
+                    gate_up.ptr(), out.ptr(), inter as i32, xq, xs);
+            }
         }
         out
     }
@@ -2044,6 +2268,7 @@ impl Backend for CudaBackend {
         scale: NormScale,
         group: usize,
     ) -> CudaTensor {
+        x.written();
         assert_eq!(
             x.len(),
             y.len(),
@@ -2062,18 +2287,26 @@ impl Backend for CudaBackend {
             "add_rms_norm: {} columns are not a multiple of {group}",
             x.cols
         );
-        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let out = self.norm_out(x, group);
         let groups = x.len() / group;
         if groups > 0 {
             let threads = norm_threads(group);
+            let (xq, xs) = out.q8_args();
             launch!(self, "add_rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32);
+                x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32, xq, xs);
         }
         out
     }
 
     fn sigmoid_gate(&self, x: &CudaTensor, gate: &CudaTensor) -> CudaTensor {
-        self.elementwise_out("sigmoid_gate", x, gate)
+        if x.len() != gate.len() || !self.wants_q8(x.rows, x.cols) {
+            return self.elementwise_out("sigmoid_gate", x, gate);
+        }
+        let out = self.alloc_act_q8(x.rows, x.cols);
+        let (xq, xs) = out.q8_args();
+        launch!(self, "sigmoid_gate_q8", (ceil_div(x.cols, 256) as u32, 1, 1), (256, 1, 1), 0;
+            x.ptr(), gate.ptr(), out.ptr(), x.cols as i32, xq, xs);
+        out
     }
 
     // --- Flash-Next ops: kernels in kernels/{hyper,qsa,moe}.cu, driven from flash_next.rs ---
@@ -2156,6 +2389,7 @@ impl Backend for CudaBackend {
         rotary_dim: usize,
         inv_freq: &[f32],
     ) {
+        x.written();
         assert_eq!(
             positions.len(),
             x.rows,
@@ -2263,6 +2497,7 @@ impl Backend for CudaBackend {
         state: &mut CudaTensor,
         weight: &CudaMatrix,
     ) -> CudaTensor {
+        state.written();
         let (channels, taps) = (weight.rows, weight.cols);
         assert_eq!(x.cols, channels);
         assert!(taps >= 1, "causal conv: the weight has no taps");
@@ -2316,6 +2551,7 @@ impl Backend for CudaBackend {
         shape: DeltaRuleShape,
         mode: DeltaRuleMode,
     ) -> CudaTensor {
+        state.written();
         let s = shape;
         let n = q.rows;
         assert!(
@@ -2354,6 +2590,7 @@ impl Backend for CudaBackend {
         shape: DeltaRuleShape,
         mode: DeltaRuleMode,
     ) -> CudaTensor {
+        state.written();
         let s = shape;
         let n = qkv.rows;
         let kd = s.num_k_heads * s.k_head_dim;
@@ -2383,5 +2620,54 @@ impl Backend for CudaBackend {
             &out,
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn few_row_records_matvecs_split_rows_over_warps() {
+        let plan = |rows, cols| nvfp4r_splitk_plan(rows, cols, 132).map(|k| (k.rpw, k.ks));
+        // The 27B on an H100: gate_up fills the GPU as it is; the 5-record projections take
+        // two warps a row, down (17 records) four, the 6-record output projections one row a
+        // warp over two.
+        assert_eq!(plan(34816, 5120), None);
+        assert_eq!(plan(14336, 5120), Some((2, 2)));
+        assert_eq!(plan(16480, 5120), Some((2, 2)));
+        assert_eq!(plan(5120, 17408), Some((2, 4)));
+        assert_eq!(plan(5120, 6144), Some((1, 2)));
+        // One or three records: no split leaves every warp 2 records.
+        assert_eq!(plan(70, 1024), None);
+        assert_eq!(plan(70, 3072), None);
+        // Tiny matrices take the variant with the most blocks.
+        assert_eq!(plan(70, 17408), Some((1, 8)));
+        for rows in [1, 7, 70, 5120, 100_000] {
+            for cols in [1024, 2048, 5120, 17408, 32768] {
+                if let Some(k) = nvfp4r_splitk_plan(rows, cols, 132) {
+                    assert!(cols / 1024 >= 2 * k.ks, "{rows}x{cols}: {k:?}");
+                    assert!(NVFP4R_WARPS.is_multiple_of(k.ks));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_splits_fill_the_gpu_within_the_combine_limit() {
+        // The 27B at 8K on an H100: 4 blocks a split, 132 SMs → 128 splits of 64 keys.
+        assert_eq!(attention_split_len(8192, 4, 132), 64);
+        // Longer contexts: about 4 blocks an SM, longer splits.
+        assert_eq!(attention_split_len(65536, 4, 132), 497);
+        // Short contexts keep 64 keys a split.
+        assert_eq!(attention_split_len(100, 4, 132), 64);
+        for total in [1, 63, 64, 65, 8191, 100_000, 131_072, 131_073, 1 << 20] {
+            for (blocks, sms) in [(1, 1), (4, 132), (48, 170), (1, 1000)] {
+                let len = attention_split_len(total, blocks, sms);
+                let splits = ceil_div(total, len);
+                assert!(len >= 64, "{total} keys: splits of {len}");
+                assert!(splits <= 1024, "{total} keys: {splits} splits");
+            }
+        }
     }
 }
