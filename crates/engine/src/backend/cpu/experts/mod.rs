@@ -798,7 +798,7 @@ mod tests {
         for n in [1, 5] {
             let x: Vec<f32> = (0..n * shape.hidden).map(|_| rng.unit() - 0.5).collect();
             let ids: Vec<u32> = (0..n * top_k)
-                .map(|p| (rng.next() % experts as u64) as u32)
+                .map(|_| (rng.next() % experts as u64) as u32)
                 .collect();
             let weights: Vec<f32> = (0..ids.len()).map(|_| rng.unit()).collect();
             for threads in [1, 3] {
