@@ -42,17 +42,21 @@ pub struct ForwardTimes {
     pub policy_s: f64,
     /// Reading `x` back to the host: waits for the device's queued work (the step so far).
     pub read_x_s: f64,
+    /// Queuing the caller's device work handed to [`RoutedExperts::forward_overlapped`] (the
+    /// MoE layer's shared expert). With CPU experts this runs inside `cpu_experts_s` (see
+    /// `queued_during_cpu_s`).
+    pub caller_queue_s: f64,
     /// Queuing the resident experts on the backend and, where experts also run on the CPU,
     /// submitting the queued device work (launch cost on the host; the device runs them while
     /// the CPU computes). With CPU experts this runs inside `cpu_experts_s`, on the calling
-    /// thread while the other workers compute (see `resident_queue_during_cpu_s`).
+    /// thread while the other workers compute (see `queued_during_cpu_s`).
     pub resident_queue_s: f64,
-    /// The CPU experts: the wall time of the pool's run, caller included (and so the resident
-    /// queuing the caller does at its start).
+    /// The CPU experts: the wall time of the pool's run, caller included (and so the queuing
+    /// the caller does at its start).
     pub cpu_experts_s: f64,
-    /// The part of `resident_queue_s` that ran inside `cpu_experts_s` (counted in both; the
-    /// calling thread's time is [`ForwardTimes::total_s`], which counts it once).
-    pub resident_queue_during_cpu_s: f64,
+    /// The part of `caller_queue_s + resident_queue_s` that ran inside `cpu_experts_s` (counted
+    /// in both; the calling thread's time is [`ForwardTimes::total_s`], which counts it once).
+    pub queued_during_cpu_s: f64,
     /// Uploading the CPU's partial sum and queuing its addition.
     pub merge_s: f64,
     /// Queuing the copies of admitted experts.
@@ -64,9 +68,10 @@ impl ForwardTimes {
         self.calls += o.calls;
         self.policy_s += o.policy_s;
         self.read_x_s += o.read_x_s;
+        self.caller_queue_s += o.caller_queue_s;
         self.resident_queue_s += o.resident_queue_s;
         self.cpu_experts_s += o.cpu_experts_s;
-        self.resident_queue_during_cpu_s += o.resident_queue_during_cpu_s;
+        self.queued_during_cpu_s += o.queued_during_cpu_s;
         self.merge_s += o.merge_s;
         self.admit_s += o.admit_s;
     }
@@ -76,10 +81,10 @@ impl ForwardTimes {
             calls: self.calls - before.calls,
             policy_s: self.policy_s - before.policy_s,
             read_x_s: self.read_x_s - before.read_x_s,
+            caller_queue_s: self.caller_queue_s - before.caller_queue_s,
             resident_queue_s: self.resident_queue_s - before.resident_queue_s,
             cpu_experts_s: self.cpu_experts_s - before.cpu_experts_s,
-            resident_queue_during_cpu_s: self.resident_queue_during_cpu_s
-                - before.resident_queue_during_cpu_s,
+            queued_during_cpu_s: self.queued_during_cpu_s - before.queued_during_cpu_s,
             merge_s: self.merge_s - before.merge_s,
             admit_s: self.admit_s - before.admit_s,
         }
@@ -88,11 +93,12 @@ impl ForwardTimes {
     pub fn total_s(&self) -> f64 {
         self.policy_s
             + self.read_x_s
+            + self.caller_queue_s
             + self.resident_queue_s
             + self.cpu_experts_s
             + self.merge_s
             + self.admit_s
-            - self.resident_queue_during_cpu_s
+            - self.queued_during_cpu_s
     }
 }
 
@@ -293,6 +299,16 @@ impl<M> Resident<M> {
 
 impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act {
+        self.forward_overlapped(b, x, routing, &mut || {})
+    }
+
+    fn forward_overlapped(
+        &self,
+        b: &B,
+        x: &B::Act,
+        routing: &MoeRouting,
+        queue_device_work: &mut dyn FnMut(),
+    ) -> B::Act {
         let (n, hidden) = b.shape(x);
         let mut guard = self.state.lock().expect("expert state");
         // Through a plain reference, so that fields can be borrowed apart.
@@ -342,10 +358,15 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
         let x_host = split.host.as_ref().map(|_| b.to_host(x));
         t.read_x_s = lap();
 
-        // 2. Resident pairs on the backend, over the compact slot list (asynchronous on a GPU).
+        // 2. The caller's device work, then the resident pairs on the backend over the compact
+        // slot list (asynchronous on a GPU); returns the resident output and the two queuing
+        // times.
         let (slots, slot_of) = (&st.slots, &st.slot_of);
-        let queue_resident = || -> B::Act {
-            match &split.resident {
+        let mut queue_device = || -> (B::Act, f64, f64) {
+            let start = Instant::now();
+            queue_device_work();
+            let caller_done = Instant::now();
+            let out = match &split.resident {
                 Some(r) => {
                     let compact = MoeRouting {
                         top_k: r.top_k,
@@ -365,12 +386,15 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                     }
                 }
                 None => b.zeros(n, hidden),
-            }
+            };
+            let resident_s = caller_done.elapsed().as_secs_f64();
+            (out, (caller_done - start).as_secs_f64(), resident_s)
         };
 
         // 3. Host pairs on the CPU expert kernels. The workers start on them first; the
-        // calling thread queues the resident experts meanwhile, then joins them: the launch
-        // cost overlaps the CPU's work instead of preceding it.
+        // calling thread queues the device work of step 2 meanwhile, submits it, then joins
+        // them: the launch cost overlaps the CPU's work instead of preceding it, and the
+        // device runs that work while the CPU computes.
         let out = match (&split.host, &x_host) {
             (Some(h), Some(x_host)) => {
                 let pairs = h.experts.len();
@@ -385,8 +409,7 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                     st.scratch_pairs = n * h.top_k;
                 }
                 let mut y = vec![0f32; n * hidden];
-                let mut resident_out = None;
-                let mut resident_queue_s = 0.0;
+                let mut queued = None;
                 experts::moe_experts_overlapping(
                     &self.pool,
                     self.isa,
@@ -398,24 +421,29 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                     &mut y,
                     st.scratch.as_mut().expect("sized above"),
                     || {
-                        let start = Instant::now();
-                        resident_out = Some(queue_resident());
+                        let (out, caller_s, resident_s) = queue_device();
+                        let submit_start = Instant::now();
                         b.submit();
-                        resident_queue_s = start.elapsed().as_secs_f64();
+                        let submit_s = submit_start.elapsed().as_secs_f64();
+                        queued = Some((out, caller_s, resident_s + submit_s));
                     },
                 )
                 .expect("host experts: shapes were checked at load");
                 t.cpu_experts_s = lap();
-                t.resident_queue_s = resident_queue_s;
-                t.resident_queue_during_cpu_s = resident_queue_s;
-                let mut out = resident_out.expect("the pool runs the caller's work");
+                let (mut out, caller_s, resident_s) =
+                    queued.expect("the pool runs the caller's work");
+                t.caller_queue_s = caller_s;
+                t.resident_queue_s = resident_s;
+                t.queued_during_cpu_s = caller_s + resident_s;
                 b.add_assign(&mut out, &b.from_host(n, hidden, &y));
                 t.merge_s = lap();
                 out
             }
             _ => {
-                let out = queue_resident();
-                t.resident_queue_s = lap();
+                let (out, caller_s, resident_s) = queue_device();
+                t.caller_queue_s = caller_s;
+                t.resident_queue_s = resident_s;
+                lap(); // the two above
                 out
             }
         };
@@ -550,8 +578,9 @@ mod tests {
             let t = layer.times();
             assert_eq!(t.calls, 1);
             assert!(t.resident_queue_s > 0.0, "{t:?}");
-            assert_eq!(t.resident_queue_during_cpu_s, t.resident_queue_s, "{t:?}");
+            assert_eq!(t.queued_during_cpu_s, t.resident_queue_s, "{t:?}");
             assert!(t.resident_queue_s <= t.cpu_experts_s, "{t:?}");
+            assert_eq!(t.caller_queue_s, 0.0, "{t:?}");
             let once = t.policy_s + t.read_x_s + t.cpu_experts_s + t.merge_s + t.admit_s;
             assert!((t.total_s() - once).abs() < 1e-12, "{t:?}");
         }
@@ -579,6 +608,6 @@ mod tests {
         let t = layer.times();
         assert!(t.resident_queue_s > 0.0, "{t:?}");
         assert_eq!(t.cpu_experts_s, 0.0, "{t:?}");
-        assert_eq!(t.resident_queue_during_cpu_s, 0.0, "{t:?}");
+        assert_eq!(t.queued_during_cpu_s, 0.0, "{t:?}");
     }
 }

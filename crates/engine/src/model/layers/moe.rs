@@ -16,6 +16,21 @@ use anyhow::{bail, Result};
 pub trait RoutedExperts<B: Backend>: Send + Sync {
     /// `x` `[n, hidden]`, the router's choice per row → `Σ_j w_j · expert_j(x)`, `[n, hidden]`.
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act;
+
+    /// [`RoutedExperts::forward`], with the layer's other device work (the shared expert) to
+    /// queue where the device runs it while these experts compute: `queue_device_work` runs
+    /// exactly once, on this thread, before this returns. The default runs it first; experts
+    /// that compute on the CPU queue it once their CPU work has started.
+    fn forward_overlapped(
+        &self,
+        b: &B,
+        x: &B::Act,
+        routing: &MoeRouting,
+        queue_device_work: &mut dyn FnMut(),
+    ) -> B::Act {
+        queue_device_work();
+        self.forward(b, x, routing)
+    }
 }
 
 /// Experts as backend matrices, run by [`Backend::moe_experts`].
@@ -258,15 +273,132 @@ impl<B: Backend> SparseMoe<B> {
             self.top_k,
             self.normalize,
         );
-        let mut out = self.experts.forward(b, x, &routing);
-        // The shared expert's gate is one logit per row, broadcast over the hidden size.
+        // The shared expert's gate is one logit per row, broadcast over the hidden size on the
+        // host (no backend op broadcasts a column). Read now: routing has just waited for the
+        // device, so this waits for the column's copy only, not for queued expert work.
         let gate_logit = b.to_host(&b.cols(&logits, self.num_experts..self.num_experts + 1));
         let gate: Vec<f32> = gate_logit
             .iter()
             .flat_map(|&g| std::iter::repeat_n(g, hidden))
             .collect();
-        let shared = b.sigmoid_gate(&self.shared.forward(b, x), &b.from_host(n, hidden, &gate));
+        // The shared expert is queued while the routed experts compute (the device runs it
+        // while host experts run on the CPU) and added after them: `routed + shared`, as ever.
+        let mut shared = None;
+        let mut out = self.experts.forward_overlapped(b, x, &routing, &mut || {
+            shared =
+                Some(b.sigmoid_gate(&self.shared.forward(b, x), &b.from_host(n, hidden, &gate)));
+        });
+        let shared = shared.expect("forward_overlapped runs the device work it is given");
         b.add_assign(&mut out, &shared);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::experts::ExpertPool;
+    use crate::backend::cpu::simd::Isa;
+    use crate::backend::cpu::CpuBackend;
+    use crate::hybrid::host_store::pack_float_experts;
+    use crate::hybrid::{HybridExperts, Placement};
+    use crate::model::layers::text_prefix;
+    use crate::model::qwen4_exp_text::Qwen4ExpText;
+    use std::sync::Arc;
+
+    fn fixture() -> (Checkpoint, Qwen4ExpText<CpuBackend>) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/qwen4_exp_text/fused");
+        let ck = Checkpoint::open(&dir).unwrap();
+        let model = Qwen4ExpText::load(CpuBackend::new(), &ck).unwrap();
+        (ck, model)
+    }
+
+    /// The layer as it ran before the shared expert was queued ahead: routed experts, then
+    /// the shared expert and its gate, then `routed + shared`.
+    fn routed_then_shared(m: &SparseMoe<CpuBackend>, b: &CpuBackend, x: &CpuTensor) -> Vec<f32> {
+        let (n, hidden) = b.shape(x);
+        let logits = b.linear(x, &m.router);
+        let routing = b.moe_route(&b.cols(&logits, 0..m.num_experts), m.top_k, m.normalize);
+        let mut out = m.experts.forward(b, x, &routing);
+        let gate_logit = b.to_host(&b.cols(&logits, m.num_experts..m.num_experts + 1));
+        let gate: Vec<f32> = gate_logit
+            .iter()
+            .flat_map(|&g| std::iter::repeat_n(g, hidden))
+            .collect();
+        let shared = b.sigmoid_gate(&m.shared.forward(b, x), &b.from_host(n, hidden, &gate));
+        b.add_assign(&mut out, &shared);
+        b.to_host(&out)
+    }
+
+    type CpuTensor = <CpuBackend as Backend>::Act;
+
+    /// Hybrid experts behind an `Arc`, so that the test can read their times.
+    struct Watched(Arc<HybridExperts<CpuBackend>>);
+    impl RoutedExperts<CpuBackend> for Watched {
+        fn forward(&self, b: &CpuBackend, x: &CpuTensor, routing: &MoeRouting) -> CpuTensor {
+            self.0.forward(b, x, routing)
+        }
+        fn forward_overlapped(
+            &self,
+            b: &CpuBackend,
+            x: &CpuTensor,
+            routing: &MoeRouting,
+            queue_device_work: &mut dyn FnMut(),
+        ) -> CpuTensor {
+            self.0.forward_overlapped(b, x, routing, queue_device_work)
+        }
+    }
+
+    /// Queuing the shared expert ahead of (or inside) the routed experts leaves the result
+    /// bit for bit as it was, with the experts on the backend or split with the CPU; split, the
+    /// shared expert is queued inside the CPU experts' pool call.
+    #[test]
+    fn the_shared_expert_queued_first_gives_the_same_result() {
+        let (ck, mut model) = fixture();
+        let b = CpuBackend::new();
+        let hidden = ck.config.hidden_size;
+        let n = 3;
+        let x_host: Vec<f32> = (0..n * hidden)
+            .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let x = b.from_host(n, hidden, &x_host);
+
+        let moe = &model.layers[0].moe;
+        let got = b.to_host(&moe.forward(&b, &x));
+        let want = routed_then_shared(moe, &b, &x);
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(g, w)| g.to_bits() == w.to_bits()));
+
+        let cfg = model.flash.moe.clone();
+        let prefix = format!("{}layers.0.mlp.experts.", text_prefix(&ck));
+        let host = pack_float_experts(&read_expert_tensors(&ck, &prefix, hidden, &cfg).unwrap());
+        let hybrid = Arc::new(
+            HybridExperts::new(
+                &b,
+                0,
+                Arc::new(host.unwrap()),
+                Arc::new(ExpertPool::new(2, false)),
+                Isa::detect(),
+                Placement::Fixed((0..cfg.num_experts).map(|e| e % 2 == 0).collect()),
+            )
+            .unwrap(),
+        );
+        model.layers[0]
+            .moe
+            .set_experts(Box::new(Watched(hybrid.clone())));
+        let moe = &model.layers[0].moe;
+        let got = b.to_host(&moe.forward(&b, &x));
+        let t = hybrid.times();
+        let want = routed_then_shared(moe, &b, &x);
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(g, w)| g.to_bits() == w.to_bits()));
+        assert_eq!(t.calls, 1);
+        assert!(t.caller_queue_s > 0.0 && t.cpu_experts_s > 0.0, "{t:?}");
+        assert_eq!(t.queued_during_cpu_s, t.caller_queue_s + t.resident_queue_s);
     }
 }
