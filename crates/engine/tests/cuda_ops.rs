@@ -705,7 +705,7 @@ fn records_matvec_variants_agree() {
     for (rows, cols) in [(1037, 2048), (1037, 5120), (515, 6144), (1037, 17408)] {
         let blocks = random_blocks(
             RowFormat::Nvfp4,
-            rows * cols / 16,
+            rows * cols / RowFormat::Nvfp4.block_len(),
             rows as u64 + cols as u64,
         );
         let mc = c
@@ -754,7 +754,11 @@ fn producers_int8_copy_equals_quantizing_in_the_matvec() {
     f.set_nvfp4_records(true);
     let mut r = Rng(31);
     let matrix = |cols: usize, seed: u64| {
-        let blocks = random_blocks(RowFormat::Nvfp4, 70 * cols / 16, seed);
+        let blocks = random_blocks(
+            RowFormat::Nvfp4,
+            70 * cols / RowFormat::Nvfp4.block_len(),
+            seed,
+        );
         f.quant_matrix(RowFormat::Nvfp4, 70, cols, &blocks, 0.0125)
             .unwrap()
     };
