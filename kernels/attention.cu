@@ -16,7 +16,7 @@
 // is read once for all of them: with one block per query head a decode step read the cache G
 // times over (6 for the 27B), and attention was bound by those reads.
 extern "C" __global__ void attn_split(const float* q, const float* k, const float* v, float* part_o, float* part_ml, int past,
-                                      int heads, int kv_heads, int d, float scale, int split_len) {
+                                      int heads, int kv_heads, int d, float scale, int split_len) { KERNEL_START();
     __shared__ float sm_o[ATTN_WARPS][ATTN_GQA_MAX][ATTN_MAX_D];
     __shared__ float sm_m[ATTN_WARPS][ATTN_GQA_MAX], sm_l[ATTN_WARPS][ATTN_GQA_MAX];
     const int group = heads / kv_heads;
@@ -121,7 +121,7 @@ extern "C" __global__ void attn_split(const float* q, const float* k, const floa
 // grid (heads, n), block 256; out [n, H·d]. Each split's weight e^{m_s − max} is formed once in
 // shared memory; then every output value sums its splits with independent loads (a decode step
 // at 8K context has 65 splits: a loop of dependent loads and exponentials per value took 20 µs).
-extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml, float* out, int heads, int d, int splits) {
+extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml, float* out, int heads, int d, int splits) { KERNEL_START();
     __shared__ float wt[ATTN_COMBINE_MAX_SPLITS];
     __shared__ float scratch[32];
     __shared__ float total;
@@ -204,7 +204,7 @@ __device__ __forceinline__ void causal_softmax_row(const float* row, int cols, i
 
 // scores [heads · rows_per_head, cols] (already scaled), the rows of each head together,
 // normalised in place.
-extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head) {
+extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head) { KERNEL_START();
     float* row = scores + (u64)blockIdx.x * cols;
     const int len = min(cols, first_len + (int)(blockIdx.x % rows_per_head));
     causal_softmax_row(row, cols, len, [&](int t, float p) { row[t] = p; });
@@ -213,7 +213,7 @@ extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len
 // As `causal_softmax`, writing the probabilities as BF16 into `probs` (the fast path's P·V runs
 // on BF16 tensor cores).
 extern "C" __global__ void causal_softmax_bf16(const float* scores, u16* probs, int cols, int first_len,
-                                               int rows_per_head) {
+                                               int rows_per_head) { KERNEL_START();
     const float* row = scores + (u64)blockIdx.x * cols;
     u16* out = probs + (u64)blockIdx.x * cols;
     const int len = min(cols, first_len + (int)(blockIdx.x % rows_per_head));

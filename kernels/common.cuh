@@ -9,6 +9,32 @@ typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Programmatic dependent launch (sm_90 and later). The host launches kernels with the
+// programmatic-serialization attribute, so a kernel's blocks may be scheduled while the
+// previous kernel in the stream is still finishing: the launch latency and the grid's ramp-up
+// overlap its predecessor's tail (a decode step is ~800 launches, most of them a few µs).
+// Every kernel therefore begins with KERNEL_START(): `griddepcontrol.wait` returns once every
+// earlier kernel has completed and its writes are visible, and nothing may read or write
+// global memory before it (a buffer this kernel writes may still be read by the previous
+// one). Then `launch_dependents` lets the next kernel's blocks queue behind this grid's.
+// Launched without the attribute (or before sm_90) both are no-ops. A unit test
+// (backend/cuda/kernels.rs) holds every __global__ function to this.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#define KERNEL_START() \
+    do {                   \
+        pdl_wait();        \
+        pdl_launch_dependents(); \
+    } while (0)
+
 // Weight dtype codes passed from the host (backend/cuda/mod.rs `WeightType`).
 #define DT_F32 0
 #define DT_BF16 1

@@ -16,7 +16,7 @@
 // the packed conv output. grid (NV, ceil(dv / 32)), block (32, ceil(dk / 32)).
 extern "C" __global__ void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                             float* state, float* out, int n, int nk, int nv, int dk, int dv,
-                                            int q_stride, int k_stride, int v_stride) {
+                                            int q_stride, int k_stride, int v_stride) { KERNEL_START();
     __shared__ float qs[GDR_MAX_DK], ks[GDR_MAX_DK];
     __shared__ float norms[2][GDR_MAX_WARPS];
     __shared__ float part[2][GDR_MAX_WARPS][32];
@@ -117,7 +117,7 @@ __device__ __forceinline__ u64 gdr_chunk_floats(int dk, int dv) {
 // Tokens t0 + chunk·64 … of the sequence; `n` tokens in all (the last chunk may be partial).
 extern "C" __global__ void gdr_chunk_prep(const float* q, const float* k, const float* v, const float* g,
                                           const float* beta, float* ws, int n, int t0, int nk, int nv, int dk,
-                                          int dv) {
+                                          int dv) { KERNEL_START();
     extern __shared__ float sm[];
     const int ks_stride = dk + 1;
     float* Ks = sm;                            // [64][dk+1]
@@ -231,7 +231,7 @@ extern "C" __global__ void gdr_chunk_prep(const float* q, const float* k, const 
 //   (dk·32 + 64·(dk+4) + 64·32) floats. Walks `chunks` chunks of the workspace in order,
 // updating state [NV, dk, dv] and writing out [n, NV·dv] rows t0 + chunk·64 + i (< n).
 extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* out, int n, int t0, int chunks,
-                                          int nv, int dk, int dv) {
+                                          int nv, int dk, int dv) { KERNEL_START();
     extern __shared__ float sm[];
     const int bs_stride = dk + 4;
     float* S = sm;                              // [dk][32]

@@ -1,28 +1,28 @@
 // Element-wise and layout kernels: embedding gather, add, SwiGLU, sigmoid gate, column
 // copies and splits, GDN gates, dtype conversions, RoPE, the causal depthwise conv.
 
-extern "C" __global__ void embedding(const void* table, int dt, const u32* ids, float* out, int cols) {
+extern "C" __global__ void embedding(const void* table, int dt, const u32* ids, float* out, int cols) { KERNEL_START();
     int r = blockIdx.x;
     u64 base = (u64)ids[r] * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(u64)r * cols + c] = load_weight(table, dt, base + c);
 }
 
-extern "C" __global__ void add_assign(float* x, const float* y, u64 n) {
+extern "C" __global__ void add_assign(float* x, const float* y, u64 n) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] += y[i];
 }
 
-extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, u64 n) {
+extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, u64 n) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = silu_f(gate[i]) * up[i];
 }
 
-extern "C" __global__ void sigmoid_gate(const float* x, const float* gate, float* out, u64 n) {
+extern "C" __global__ void sigmoid_gate(const float* x, const float* gate, float* out, u64 n) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = x[i] * sigmoid_f(gate[i]);
 }
 
 // dst[r, c] = src[r, c0 + c] for c < ncols.
-extern "C" __global__ void copy_cols(const float* src, float* dst, u64 rows, int src_cols, int c0, int ncols) {
+extern "C" __global__ void copy_cols(const float* src, float* dst, u64 rows, int src_cols, int c0, int ncols) { KERNEL_START();
     u64 n = rows * ncols;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u64 r = i / ncols;
@@ -34,7 +34,7 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, u64 rows, int
 // Up to four consecutive column pieces in one pass: piece j is columns [b_j, b_{j+1}) of src,
 // written to d_j as a [rows, b_{j+1} - b_j] matrix (unused pieces are empty ranges).
 extern "C" __global__ void split_cols4(const float* src, u64 rows, int src_cols, float* d0, float* d1, float* d2,
-                                       float* d3, int b0, int b1, int b2, int b3, int b4) {
+                                       float* d3, int b0, int b1, int b2, int b3, int b4) { KERNEL_START();
     const int width = b4 - b0;
     const u64 n = rows * width;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
@@ -49,7 +49,7 @@ extern "C" __global__ void split_cols4(const float* src, u64 rows, int src_cols,
 }
 
 // SwiGLU of a fused [rows, 2·inter] gate ‖ up projection: out [rows, inter] = silu(gate) · up.
-extern "C" __global__ void silu_mul_halves(const float* gu, float* out, u64 rows, int inter) {
+extern "C" __global__ void silu_mul_halves(const float* gu, float* out, u64 rows, int inter) { KERNEL_START();
     const u64 n = rows * inter;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / inter;
@@ -61,7 +61,7 @@ extern "C" __global__ void silu_mul_halves(const float* gu, float* out, u64 rows
 
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b, g, beta are [n, heads].
 extern "C" __global__ void delta_rule_gates(const float* a, const float* b, const float* a_log, const float* dt_bias,
-                                            float* g, float* beta, u64 n, int heads) {
+                                            float* g, float* beta, u64 n, int heads) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         int h = (int)(i % heads);
         float x = a[i] + dt_bias[h];
@@ -71,22 +71,22 @@ extern "C" __global__ void delta_rule_gates(const float* a, const float* b, cons
     }
 }
 
-extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, u64 n) {
+extern "C" __global__ void f32_to_bf16_kernel(const float* x, u16* out, u64 n) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = f32_to_bf16(x[i]);
 }
 
-extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* out, u64 n) {
+extern "C" __global__ void f32_to_f16_kernel(const float* x, u16* out, u64 n) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = f32_to_f16(x[i]);
 }
 
 // out[i] = w[offset + i] as f32 (dequantizes a block of weight rows for the exact GEMM path).
-extern "C" __global__ void weight_to_f32(const void* w, int dt, u64 offset, float* out, u64 n) {
+extern "C" __global__ void weight_to_f32(const void* w, int dt, u64 offset, float* out, u64 n) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = load_weight(w, dt, offset + i);
 }
 
 // Rotate-half RoPE on the first `rotary_dim` dims of every head; one thread per (row, head, i).
 extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, u64 rows, int cols, int head_dim,
-                                int rotary_dim) {
+                                int rotary_dim) { KERNEL_START();
     int half = rotary_dim / 2;
     int heads = cols / head_dim;
     u64 n = rows * heads * half;
@@ -111,7 +111,7 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
 // first, the current input last). The state is updated afterwards by causal_conv1d_state.
 extern "C" __global__ void causal_conv1d_silu(const float* __restrict__ x, const float* __restrict__ state,
                                               const void* __restrict__ w, int dt, float* __restrict__ out, int n,
-                                              int channels, int taps) {
+                                              int channels, int taps) { KERNEL_START();
     const u64 total = (u64)n * channels;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const int t = (int)(i / channels);
@@ -132,7 +132,7 @@ extern "C" __global__ void causal_conv1d_silu(const float* __restrict__ x, const
 // shifts the channel's state; no other thread touches the channel, so no ordering is needed.
 extern "C" __global__ void causal_conv1d_silu_update(const float* __restrict__ x, float* state,
                                                      const void* __restrict__ w, int dt, float* __restrict__ out,
-                                                     int n, int channels, int taps) {
+                                                     int n, int channels, int taps) { KERNEL_START();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     for (int t = 0; t < n; t++) {
@@ -155,7 +155,7 @@ extern "C" __global__ void causal_conv1d_silu_update(const float* __restrict__ x
 // then x rows). Row j takes input position n-(K-1)+j; rows read from the state come from a
 // higher row (j + n), so walking j upwards in one thread never reads an overwritten row.
 extern "C" __global__ void causal_conv1d_state(const float* __restrict__ x, float* state, int n, int channels,
-                                               int taps) {
+                                               int taps) { KERNEL_START();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     for (int j = 0; j < taps - 1; j++) {
@@ -167,7 +167,7 @@ extern "C" __global__ void causal_conv1d_state(const float* __restrict__ x, floa
 // One row of n values (n % 32 == 0, one thread each) with its int8 copy for the next matvec
 // (warp_store_q8r): the fast path's versions of sigmoid_gate and silu_mul_halves.
 extern "C" __global__ void sigmoid_gate_q8(const float* x, const float* gate, float* out, int n, unsigned char* xq,
-                                           float* xs) {
+                                           float* xs) { KERNEL_START();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;  // whole warps, as n % 32 == 0
     const float o = x[i] * sigmoid_f(gate[i]);
@@ -175,7 +175,7 @@ extern "C" __global__ void sigmoid_gate_q8(const float* x, const float* gate, fl
     warp_store_q8r(o, (u64)(i >> 5), n, xq, xs);
 }
 
-extern "C" __global__ void silu_mul_halves_q8(const float* gu, float* out, int inter, unsigned char* xq, float* xs) {
+extern "C" __global__ void silu_mul_halves_q8(const float* gu, float* out, int inter, unsigned char* xq, float* xs) { KERNEL_START();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= inter) return;
     const float o = silu_f(gu[i]) * gu[inter + i];

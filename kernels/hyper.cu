@@ -4,19 +4,19 @@
 // runs over streams; reductions over the hidden size use a block tree).
 
 // out[r, c] = x[r, c] · scale[c]
-extern "C" __global__ void scale_cols(const float* x, const float* scale, float* out, u64 n, int cols) {
+extern "C" __global__ void scale_cols(const float* x, const float* scale, float* out, u64 n, int cols) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = x[i] * scale[i % cols];
 }
 
 // out = silu(x · scale)
-extern "C" __global__ void silu_scaled(const float* x, float* out, u64 n, float scale) {
+extern "C" __global__ void silu_scaled(const float* x, float* out, u64 n, float scale) { KERNEL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         out[i] = silu_f(x[i] * scale);
 }
 
 // normed, mix [rows, streams·h] → out [rows, h]: the mean over streams of sigmoid(mix)·normed.
-extern "C" __global__ void hc_mix(const float* normed, const float* mix, float* out, u64 rows, int h, int streams) {
+extern "C" __global__ void hc_mix(const float* normed, const float* mix, float* out, u64 rows, int h, int streams) { KERNEL_START();
     const u64 n = rows * h;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / h;
@@ -32,7 +32,7 @@ extern "C" __global__ void hc_mix(const float* normed, const float* mix, float* 
 
 // res [rows, streams·h] = residual + out[r] · 2·sigmoid(logits[r, s] / streams) on stream s.
 extern "C" __global__ void hc_inject(const float* residual, const float* out, const float* logits, float* res, u64 rows,
-                                     int h, int streams) {
+                                     int h, int streams) { KERNEL_START();
     const u64 n = rows * streams * h;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 rs = i / h;
@@ -46,7 +46,7 @@ extern "C" __global__ void hc_inject(const float* residual, const float* out, co
 // One block per (row, stream): g = <key, query> / sqrt(h), g ← sign(g)·sqrt(max(|g|, 1e-6)),
 // out = sigmoid(g) · value[row].
 extern "C" __global__ void ple_gate(const float* key, const float* query, const float* value, float* out, int h,
-                                    int streams) {
+                                    int streams) { KERNEL_START();
     __shared__ float scratch[32];
     const u64 rs = blockIdx.x;
     const u64 r = rs / streams;

@@ -34,7 +34,7 @@ __device__ __forceinline__ float* mb_slot(unsigned char* base, int ranks, long l
 // (*step_dev + 1) & 1, i.e. the step mailbox_signal is about to publish.
 extern "C" __global__ void mailbox_write(const float* __restrict__ partial,
                                          unsigned char* mailbox, const u64* step_dev, int ranks,
-                                         int rank, long long capacity, long long n) {
+                                         int rank, long long capacity, long long n) { KERNEL_START();
     int parity = (int)((*step_dev + 1) & 1);
     float* slot = mb_slot(mailbox, ranks, capacity, parity, rank);
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
@@ -46,7 +46,7 @@ extern "C" __global__ void mailbox_write(const float* __restrict__ partial,
 // One thread: advances the step and publishes it after the slot writes (stream order puts
 // mailbox_write before this kernel; the system fence orders them for the other ranks).
 extern "C" __global__ void mailbox_signal(unsigned char* mailbox, u64* step_dev, int ranks,
-                                          int rank, long long n) {
+                                          int rank, long long n) { KERNEL_START();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     u64 step = *step_dev + 1;
     *step_dev = step;
@@ -65,7 +65,7 @@ extern "C" __global__ void mailbox_signal(unsigned char* mailbox, u64* step_dev,
 extern "C" __global__ void mailbox_wait_sum(unsigned char* mailbox, const u64* step_dev,
                                             int ranks, int rank, long long capacity,
                                             long long n, float* __restrict__ out,
-                                            u64 timeout_ns, u64* status) {
+                                            u64 timeout_ns, u64* status) { KERNEL_START();
     __shared__ int failed;
     u64* words = (u64*)mailbox;
     u64 step = *step_dev;

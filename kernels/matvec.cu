@@ -84,7 +84,7 @@ __device__ __forceinline__ void matvec_impl(const void* w, const float* x, float
 }
 
 #define MATVEC(NAME, DT, ROWS)                                                                 \
-    extern "C" __global__ void NAME(const void* w, const float* x, float* y, int in, int out) { \
+    extern "C" __global__ void NAME(const void* w, const float* x, float* y, int in, int out) { KERNEL_START(); \
         matvec_impl<DT, ROWS>(w, x, y, in, out);                                               \
     }
 

@@ -44,7 +44,7 @@ __device__ __forceinline__ void load8(const void* row, int dt, int e, float* f) 
 __device__ __forceinline__ int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 
 // One block per row (256 threads). logits [n, experts] → ids, weights [n, k].
-extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize) {
+extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize) { KERNEL_START();
     __shared__ float scratch[32];
     __shared__ float best_p[32];
     __shared__ int best_e[32];
@@ -123,7 +123,7 @@ extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weigh
 // `interleaved`: gate_up rows alternate gate, up (the hybrid cache's copies of host records)
 // instead of all gate rows then all up rows.
 extern "C" __global__ void moe_gate_up(const u64* groups, const u32* rows, const float* x, float* act, int dt,
-                                       int hidden, int inter, int interleaved) {
+                                       int hidden, int inter, int interleaved) { KERNEL_START();
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= inter) return;
@@ -178,7 +178,7 @@ extern "C" __global__ void moe_gate_up(const u64* groups, const u32* rows, const
 }
 
 // act [slots, inter] → ys [slots, hidden] = act · downᵀ per group. grid (ceil(hidden / warps), G).
-extern "C" __global__ void moe_down(const u64* groups, const float* act, float* ys, int dt, int hidden, int inter) {
+extern "C" __global__ void moe_down(const u64* groups, const float* act, float* ys, int dt, int hidden, int inter) { KERNEL_START();
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= hidden) return;
@@ -222,7 +222,7 @@ extern "C" __global__ void moe_down(const u64* groups, const float* act, float* 
 }
 
 // out [cnt, cols] = x[rows[r]] (rows of one expert, for the GEMM path).
-extern "C" __global__ void moe_gather_rows(const float* x, const u32* rows, float* out, u64 cnt, int cols) {
+extern "C" __global__ void moe_gather_rows(const float* x, const u32* rows, float* out, u64 cnt, int cols) { KERNEL_START();
     const u64 n = cnt * cols;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / cols;
@@ -232,7 +232,7 @@ extern "C" __global__ void moe_gather_rows(const float* x, const u32* rows, floa
 }
 
 // gu [rows, 2·inter] → act [rows, inter] = silu(gu[:, :inter]) · gu[:, inter:].
-extern "C" __global__ void moe_swiglu_halves(const float* gu, float* act, u64 rows, int inter) {
+extern "C" __global__ void moe_swiglu_halves(const float* gu, float* act, u64 rows, int inter) { KERNEL_START();
     const u64 n = rows * inter;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / inter;
@@ -243,7 +243,7 @@ extern "C" __global__ void moe_swiglu_halves(const float* gu, float* act, u64 ro
 
 // gu [rows, 2·inter] with gate and up interleaved per column pair → act [rows, inter] =
 // silu(gu[:, 2j]) · gu[:, 2j + 1].
-extern "C" __global__ void moe_swiglu_pairs(const float* gu, float* act, u64 rows, int inter) {
+extern "C" __global__ void moe_swiglu_pairs(const float* gu, float* act, u64 rows, int inter) { KERNEL_START();
     const u64 n = rows * inter;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / inter;
@@ -255,7 +255,7 @@ extern "C" __global__ void moe_swiglu_pairs(const float* gu, float* act, u64 row
 // out [n, hidden]: row r = Σ_t weights[r, t] · ys[slots[r, t]] (t in the host's order: ascending
 // expert); k entries per row.
 extern "C" __global__ void moe_combine(const float* ys, const u32* slots, const float* weights, float* out, u64 n,
-                                       int hidden, int k) {
+                                       int hidden, int k) { KERNEL_START();
     const u64 total = n * hidden;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / hidden;

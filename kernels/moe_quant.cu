@@ -107,7 +107,7 @@ __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* 
 // x [n, hidden] → act [slots, inter] = silu(gate · x) · (up · x). grid (ceil(inter / warps), G);
 // one warp per output column. hidden a multiple of 8 (every block format's groups).
 extern "C" __global__ void moe_q_gate_up(const u64* groups, const u32* rows, const float* x, float* act, int fmt,
-                                         int hidden, int inter, u64 row_bytes, int interleaved) {
+                                         int hidden, int inter, u64 row_bytes, int interleaved) { KERNEL_START();
 #define MOE_Q_GU(F) moe_q_gate_up_impl<F>(groups, rows, x, act, hidden, inter, row_bytes, interleaved)
     MOE_Q_DISPATCH(MOE_Q_GU)
 #undef MOE_Q_GU
@@ -115,7 +115,7 @@ extern "C" __global__ void moe_q_gate_up(const u64* groups, const u32* rows, con
 
 // act [slots, inter] → ys [slots, hidden] = act · downᵀ per group. grid (ceil(hidden / warps), G).
 extern "C" __global__ void moe_q_down(const u64* groups, const float* act, float* ys, int fmt, int hidden, int inter,
-                                      u64 row_bytes) {
+                                      u64 row_bytes) { KERNEL_START();
 #define MOE_Q_D(F) moe_q_down_impl<F>(groups, act, ys, hidden, inter, row_bytes)
     MOE_Q_DISPATCH(MOE_Q_D)
 #undef MOE_Q_D

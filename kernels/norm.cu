@@ -80,13 +80,13 @@ __device__ __forceinline__ void rms_norm_group(float* __restrict__ x, const floa
 
 // xq/xs: null, or the int8 copy of out for the next matvec (see rms_norm_group).
 extern "C" __global__ void rms_norm(const float* x, const float* w, const float* gate, float* out, int group, float eps,
-                                    int one_plus, unsigned char* xq, float* xs) {
+                                    int one_plus, unsigned char* xq, float* xs) { KERNEL_START();
     rms_norm_group((float*)x, nullptr, w, gate, out, group, eps, one_plus, xq, xs);
 }
 
 // x += y, out = rms_norm(x).
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int group, float eps,
-                                        int one_plus, unsigned char* xq, float* xs) {
+                                        int one_plus, unsigned char* xq, float* xs) { KERNEL_START();
     rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus, xq, xs);
 }
 
@@ -95,7 +95,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 // from x, so no value has to wait for another thread's.
 extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* out, int head_dim, float eps,
                                          int one_plus, const int* positions, const float* inv_freq, int heads,
-                                         int rotary_dim) {
+                                         int rotary_dim) { KERNEL_START();
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * head_dim;
     const int r = blockIdx.x / heads;

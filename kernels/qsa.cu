@@ -13,7 +13,7 @@
 #define QSA_WARPS 4
 
 // x [blocks·group, cols] → out [blocks, cols]: the mean of each group of rows.
-extern "C" __global__ void mean_pool_rows(const float* x, float* out, u64 blocks, int cols, int group) {
+extern "C" __global__ void mean_pool_rows(const float* x, float* out, u64 blocks, int cols, int group) { KERNEL_START();
     const u64 n = blocks * cols;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 b = i / cols;
@@ -27,7 +27,7 @@ extern "C" __global__ void mean_pool_rows(const float* x, float* out, u64 blocks
 // grid (ceil(stride / 8), n), 8 warps; one warp per (query, block). index_q [n, heads·d],
 // keys [blocks, d], scores [n, stride].
 extern "C" __global__ void qsa_block_scores(const float* index_q, const float* keys, float* scores, int past, int heads,
-                                            int d, int ratio, int stride) {
+                                            int d, int ratio, int stride) { KERNEL_START();
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int i = blockIdx.y;
@@ -72,7 +72,7 @@ __device__ __forceinline__ int block_exclusive_count(int flag, int* warp_counts,
 
 // One block per query (blockDim 256); tokens [n, cap], counts [n].
 extern "C" __global__ void qsa_select(const float* scores, int* tokens, int* counts, int past, int topk, int ratio,
-                                      int stride, int cap) {
+                                      int stride, int cap) { KERNEL_START();
     __shared__ float scratch[32];
     __shared__ int warp_counts[32];
     const int i = blockIdx.x;
@@ -121,7 +121,7 @@ extern "C" __global__ void qsa_select(const float* scores, int* tokens, int* cou
 // threads. q [n, H·d], k/v [T, KVH·d]; part_o [n, H, S, d], part_ml [n, H, S, 2].
 extern "C" __global__ void qsa_attn_split(const float* q, const float* k, const float* v, const int* tokens,
                                           const int* counts, float* part_o, float* part_ml, int heads, int kv_heads,
-                                          int d, float scale, int split_len, int cap) {
+                                          int d, float scale, int split_len, int cap) { KERNEL_START();
     __shared__ float sm_o[QSA_WARPS][QSA_MAX_D];
     __shared__ float sm_m[QSA_WARPS], sm_l[QSA_WARPS];
     const int h = blockIdx.x, s = blockIdx.y, i = blockIdx.z, splits = gridDim.y;

@@ -203,7 +203,7 @@ __device__ __forceinline__ void quant_matvec_any(int fmt, const unsigned char* w
 // grid ceil(out / (8 · QMV_RPW)), block 256 (8 warps).
 #define QMATVEC(ROWS)                                                                                      \
     extern "C" __global__ void quant_matvec_##ROWS(int fmt, const unsigned char* w, const float* x, float* y, \
-                                                   int in, int out, u64 row_bytes, float mult) {             \
+                                                   int in, int out, u64 row_bytes, float mult) { KERNEL_START();             \
         quant_matvec_any<ROWS>(fmt, w, x, y, in, out, row_bytes, mult);                                      \
     }
 QMATVEC(1)
@@ -243,7 +243,7 @@ __device__ __forceinline__ void dequant_rows_impl(const unsigned char* w, const 
 // Grid-stride over rows × (cols / 8) groups. Output row r is W row ids[r] (ids non-null) or
 // row0 + r, written to out [rows, cols] as f32 or (out_bf16) BF16.
 extern "C" __global__ void quant_dequant_rows(int fmt, const unsigned char* w, const u32* ids, u64 row0, int rows,
-                                              int cols, u64 row_bytes, float mult, void* out, int out_bf16) {
+                                              int cols, u64 row_bytes, float mult, void* out, int out_bf16) { KERNEL_START();
     switch (fmt) {
         case QF_NVFP4: dequant_rows_impl<QF_NVFP4>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_NVFP4R: dequant_rows_impl<QF_NVFP4R>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
@@ -338,7 +338,7 @@ __device__ __forceinline__ void quantize_x_q8(const float* x, int in, unsigned c
 // per step. Grid-stride over warps; block any multiple of 32 threads.
 // Dynamic shared memory: (in/256)·(QX_STRIDE + 4·QS_STRIDE) + 1024 bytes.
 extern "C" __global__ void quant_matvec_nvfp4_q8(const unsigned char* w, const float* x, float* y, int in, int out,
-                                                  u64 row_bytes, float mult, int rpw) {
+                                                  u64 row_bytes, float mult, int rpw) { KERNEL_START();
     extern __shared__ __align__(16) unsigned char qsm[];
     const int spr = in >> 8;
     unsigned char* xq = qsm;
@@ -407,7 +407,7 @@ extern "C" __global__ void quant_matvec_nvfp4_q8(const unsigned char* w, const f
 // Dynamic shared memory: (in/256)·(QX_STRIDE + 4·QS_STRIDE) + 2048 + 64 + warps·3520 bytes.
 #define IQ3S_CHUNK 32
 extern "C" __global__ void quant_matvec_iq3s_q8(const unsigned char* w, const float* x, float* y, int in, int out,
-                                                 u64 row_bytes, float mult, int rpw) {
+                                                 u64 row_bytes, float mult, int rpw) { KERNEL_START();
     extern __shared__ __align__(16) unsigned char qsm[];
     const int spr = in >> 8;
     unsigned char* xq = qsm;
@@ -507,7 +507,7 @@ extern "C" __global__ void quant_matvec_iq3s_q8(const unsigned char* w, const fl
 
 // x [in] → xq (plane A: values 32c..32c+15 at 16c; plane B at in/2 + 16c: 32c+16..32c+31),
 // xs[c] = amax/127 of group c. One thread per group of 32; in % 32 == 0.
-extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char* xq, float* xs) {
+extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char* xq, float* xs) { KERNEL_START();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= (in >> 5)) return;
     float v[32];
@@ -608,7 +608,7 @@ __device__ __forceinline__ void nvfp4r_q8_impl(const unsigned char* w, const uns
 #define NVFP4R_Q8(RPW)                                                                                  \
     extern "C" __global__ void quant_matvec_nvfp4r_q8_##RPW(const unsigned char* w, const unsigned char* xq, \
                                                             const float* xs, float* y, int in, int out,     \
-                                                            u64 row_bytes, float mult) {                    \
+                                                            u64 row_bytes, float mult) { KERNEL_START();                    \
         nvfp4r_q8_impl<RPW>(w, xq, xs, y, in, out, row_bytes, mult);                                        \
     }
 NVFP4R_Q8(1)
@@ -668,7 +668,7 @@ __device__ __forceinline__ void nvfp4r_q8_splitk_impl(const unsigned char* w, co
 #define NVFP4R_Q8_SPLITK(RPW, KS)                                                                           \
     extern "C" __global__ void quant_matvec_nvfp4r_q8k_##RPW##_##KS(const unsigned char* w, const unsigned char* xq, \
                                                                     const float* xs, float* y, int in, int out,  \
-                                                                    u64 row_bytes, float mult) {                 \
+                                                                    u64 row_bytes, float mult) { KERNEL_START();                 \
         nvfp4r_q8_splitk_impl<RPW, KS>(w, xq, xs, y, in, out, row_bytes, mult);                                  \
     }
 NVFP4R_Q8_SPLITK(2, 2)

@@ -328,3 +328,52 @@ pub fn cubin(src: &KernelSource, arch: i32) -> Result<Vec<u8>> {
     }
     Ok(bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Kernels are launched with programmatic dependent launch (kernels/common.cuh): one that
+    /// touched memory before `griddepcontrol.wait` could race the kernel before it. Every
+    /// `__global__` function must begin with `KERNEL_START();`.
+    #[test]
+    fn every_kernel_waits_for_its_predecessor_first() {
+        let mut kernels = 0;
+        for src in sources() {
+            let body = &src.source;
+            let mut from = 0;
+            while let Some(at) = body[from..].find("__global__ void") {
+                let start = from + at;
+                // The signature's closing parenthesis, then the body's brace.
+                let open = start + body[start..].find('(').expect("a parameter list");
+                let mut depth = 0;
+                let mut close = open;
+                for (i, c) in body[open..].char_indices() {
+                    match c {
+                        '(' => depth += 1,
+                        ')' => depth -= 1,
+                        _ => {}
+                    }
+                    if depth == 0 {
+                        close = open + i;
+                        break;
+                    }
+                }
+                let brace = close + body[close..].find('{').expect("a body");
+                let name = body[start..open]
+                    .trim_start_matches("__global__ void")
+                    .trim();
+                assert!(
+                    body[brace + 1..]
+                        .trim_start()
+                        .starts_with("KERNEL_START();"),
+                    "{}: kernel {name} does not begin with KERNEL_START();",
+                    src.name
+                );
+                kernels += 1;
+                from = brace;
+            }
+        }
+        assert!(kernels >= 50, "found only {kernels} kernels");
+    }
+}

@@ -146,6 +146,11 @@ fn records_kernel_code(k: RecordsKernel) -> u64 {
     }
 }
 
+/// `CAPY_PDL=0` launches every kernel after its predecessor has finished (for comparisons).
+fn pdl_enabled() -> bool {
+    std::env::var("CAPY_PDL").map_or(true, |v| v != "0")
+}
+
 /// `CAPY_NVFP4R_SPLITK=0` keeps the plain records kernel for every shape (for comparisons).
 fn nvfp4r_splitk_enabled() -> bool {
     std::env::var("CAPY_NVFP4R_SPLITK").map_or(true, |v| v != "0")
@@ -295,6 +300,9 @@ struct Inner {
     records_loaded: std::sync::atomic::AtomicBool,
     /// Which records matvec a one-row product takes (`RecordsKernel`, as `records_kernel_code`).
     records_kernel: AtomicU64,
+    /// Kernels are launched with programmatic dependent launch (kernels/common.cuh): sm_90 and
+    /// later, unless `CAPY_PDL=0`.
+    pdl: bool,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
     graphs: graph::GraphRecorder,
     /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
@@ -571,12 +579,12 @@ fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
 
-/// Threads of a norm block over groups of `group` values: each thread keeps up to
-/// `NORM_VALS` (8, kernels/norm.cu) of them in registers, so a 5120-value decode row is one
-/// round of loads over 640 threads instead of 20 dependent rounds over 256.
 /// Values a norm thread holds in registers (kernels/norm.cu `NORM_VALS`).
 const NORM_VALS: usize = 8;
 
+/// Threads of a norm block over groups of `group` values: each thread keeps up to
+/// `NORM_VALS` of them in registers, so a 5120-value decode row is one round of loads over
+/// 640 threads instead of 20 dependent rounds over 256.
 fn norm_threads(group: usize) -> usize {
     ceil_div(ceil_div(group, NORM_VALS), 32).clamp(1, 32) * 32
 }
@@ -772,6 +780,7 @@ impl CudaBackend {
                 synthetic_quant: Mutex::new(None),
                 nvfp4_records: std::sync::atomic::AtomicBool::new(nvfp4_records::enabled_by_env()),
                 records_loaded: std::sync::atomic::AtomicBool::new(false),
+                pdl: cc.0 >= 9 && pdl_enabled(),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -1171,11 +1180,41 @@ impl CudaBackend {
             .get(name)
             .unwrap_or_else(|| panic!("kernel {name} is not loaded"));
         self.queue_work();
-        // SAFETY: the parameters match the kernel's signature (each call site mirrors the .cu file).
-        unsafe { drv::launch_kernel(f.0, grid, block, smem, self.stream(), params) }
-            .unwrap_or_else(|e| {
-                panic!("launching kernel {name} (grid {grid:?}, block {block:?}) failed: {e}")
-            });
+        let launched = if self.inner.pdl {
+            // Every kernel waits for its predecessor before touching memory (KERNEL_START in
+            // kernels/common.cuh), so it may be scheduled while that one finishes.
+            let mut attr = drv_sys::CUlaunchAttribute {
+                id: drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: drv_sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            };
+            let config = drv_sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: smem,
+                hStream: self.stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; the config and its attribute outlive the call.
+            unsafe {
+                drv_sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut())
+            }
+            .result()
+        } else {
+            // SAFETY: the parameters match the kernel's signature (each call site mirrors the
+            // .cu file).
+            unsafe { drv::launch_kernel(f.0, grid, block, smem, self.stream(), params) }
+        };
+        launched.unwrap_or_else(|e| {
+            panic!("launching kernel {name} (grid {grid:?}, block {block:?}) failed: {e}")
+        });
     }
 
     /// `C = op(A)·op(B)` in f32 through cuBLAS (column-major, as cuBLAS sees it).
