@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Registers, spills and shared memory of every kernel in kernels/*.cu for an architecture,
+without a GPU: NVRTC (the nvidia-cuda-nvrtc wheel) compiles each file as the engine does
+(kernels/common.cuh prepended, C++17) to PTX, and ptxas (the nvidia-cuda-nvcc wheel) reports
+its resource use. Usage: tools/ptx_resources.py [sm_90] [name-regex]
+(set CAPY_NVRTC_LIB to libnvrtc.so and put ptxas on PATH or in PTXAS)."""
+import ctypes, os, re, subprocess, sys, tempfile, glob
+
+arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90"
+pattern = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+nvrtc = ctypes.CDLL(os.environ["CAPY_NVRTC_LIB"])
+ptxas = os.environ.get("PTXAS", "ptxas")
+common = open(os.path.join(root, "kernels/common.cuh")).read()
+
+def ptx_of(name, source):
+    prog = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None) == 0
+    opts = [f"--gpu-architecture=compute_{arch[3:]}".encode(), b"--std=c++17"]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    if rc != 0:
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        sys.exit(f"{name}: NVRTC failed:\n{log.value.decode()}")
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode()
+
+for path in sorted(glob.glob(os.path.join(root, "kernels/*.cu"))):
+    name = os.path.basename(path)
+    if name == "quant_matvec.cu" or name == "moe_quant.cu":
+        continue  # needs the generated tables (backend/cuda/kernels.rs quant_tables)
+    ptx = ptx_of(name, common + "\n" + open(path).read())
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull],
+                         capture_output=True, text=True)
+    func = None
+    for line in out.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            func = m.group(1)
+        m = re.search(r"Used (\d+) registers", line)
+        if m and func and (pattern is None or pattern.search(func)):
+            print(f"{name:18} {func:40} {line.split('info    : ')[-1].strip()}")
+        if "spill" in line and func and (pattern is None or pattern.search(func)):
+            print(f"{'':18} {func:40} {line.split('info    : ')[-1].strip()}")
