@@ -108,10 +108,19 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 // written by the kernel that produces x: a whole warp calls this with lane j holding value
 // 32c + j of a row of `in` values; plane A (values 0..15 of each 32) at 16c, plane B at
 // in/2 + 16c, xs[c] = amax / 127. Bit-identical to `quantize_x_q8r` on the same values.
-__device__ __forceinline__ void warp_store_q8r(float o, u64 c, int in, unsigned char* xq, float* xs) {
+// The int8 step of a group with largest magnitude amax (xs) and its inverse: the fast
+// reciprocal, as a decode step quantizes ~250 rows and IEEE division is a subroutine call.
+__device__ __forceinline__ float q8_inv_step(float amax) { return amax > 0.0f ? __fdividef(127.0f, amax) : 0.0f; }
+__device__ __forceinline__ float q8_step(float amax) { return amax * (1.0f / 127.0f); }
+
+// Stores lane j's value o of group c, whose magnitudes peak at amax (the warp's maximum).
+__device__ __forceinline__ void store_q8r(float o, float amax, u32 c, u32 in, unsigned char* xq, float* xs) {
     const int lane = threadIdx.x & 31;
-    const float amax = warp_max(fabsf(o));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    xq[(lane < 16 ? 0 : (u64)(in >> 1)) + 16 * c + (lane & 15)] = (unsigned char)(__float2int_rn(o * inv) & 255);
-    if (lane == 0) xs[c] = amax / 127.0f;
+    xq[(lane < 16 ? 0u : in >> 1) + 16 * c + (lane & 15)] = (unsigned char)(__float2int_rn(o * q8_inv_step(amax)) & 255);
+    if (lane == 0) xs[c] = q8_step(amax);
+}
+
+// Every lane of the warp must call it (it shuffles).
+__device__ __forceinline__ void warp_store_q8r(float o, u32 c, int in, unsigned char* xq, float* xs) {
+    store_q8r(o, warp_max(fabsf(o)), c, (u32)in, xq, xs);
 }

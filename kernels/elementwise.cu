@@ -172,7 +172,7 @@ extern "C" __global__ void sigmoid_gate_q8(const float* x, const float* gate, fl
     if (i >= n) return;  // whole warps, as n % 32 == 0
     const float o = x[i] * sigmoid_f(gate[i]);
     out[i] = o;
-    warp_store_q8r(o, (u64)(i >> 5), n, xq, xs);
+    warp_store_q8r(o, (u32)(i >> 5), n, xq, xs);
 }
 
 extern "C" __global__ void silu_mul_halves_q8(const float* gu, float* out, int inter, unsigned char* xq, float* xs) { KERNEL_START();
@@ -180,5 +180,5 @@ extern "C" __global__ void silu_mul_halves_q8(const float* gu, float* out, int i
     if (i >= inter) return;
     const float o = silu_f(gu[i]) * gu[inter + i];
     out[i] = o;
-    warp_store_q8r(o, (u64)(i >> 5), inter, xq, xs);
+    warp_store_q8r(o, (u32)(i >> 5), inter, xq, xs);
 }

@@ -25,22 +25,27 @@ __device__ __forceinline__ void rms_norm_group(float* __restrict__ x, const floa
     const int stride = blockDim.x;
     float ss = 0.0f;
     if (group <= stride * NORM_VALS) {
+        // This block's row, indexed in 32 bits (a row is at most 8192 values).
+        float* __restrict__ xr = x + base;
+        float* __restrict__ outr = out + base;
+        const float* __restrict__ addr = add ? add + base : nullptr;
+        const float* __restrict__ gater = gate ? gate + base : nullptr;
         float v[NORM_VALS], a[NORM_VALS], scale[NORM_VALS], gt[NORM_VALS];
 #pragma unroll
         for (int k = 0; k < NORM_VALS; k++) {
             const int i = threadIdx.x + k * stride;
             const bool in = i < group;
-            v[k] = in ? x[base + i] : 0.0f;
-            a[k] = in && add ? add[base + i] : 0.0f;
+            v[k] = in ? xr[i] : 0.0f;
+            a[k] = in && addr ? addr[i] : 0.0f;
             scale[k] = in ? (one_plus ? 1.0f + w[i] : w[i]) : 0.0f;
-            gt[k] = in && gate ? gate[base + i] : 0.0f;
+            gt[k] = in && gater ? gater[i] : 0.0f;
         }
-        if (add) {
+        if (addr) {
 #pragma unroll
             for (int k = 0; k < NORM_VALS; k++) {
                 const int i = threadIdx.x + k * stride;
                 v[k] += a[k];
-                if (i < group) x[base + i] = v[k];
+                if (i < group) xr[i] = v[k];
             }
         }
 #pragma unroll
@@ -52,11 +57,15 @@ __device__ __forceinline__ void rms_norm_group(float* __restrict__ x, const floa
         for (int k = 0; k < NORM_VALS; k++) {
             const int i = threadIdx.x + k * stride;
             float o = v[k] * inv * scale[k];
-            if (gate) o *= silu_f(gt[k]);
-            if (i < group) out[base + i] = o;
-            // A warp's 32 values are consecutive and either all in the group or all past it.
-            if (xq && warp_first + k * stride < group)
-                warp_store_q8r(o, (base + warp_first + k * stride) >> 5, (int)(gridDim.x * group), xq, xs);
+            if (gater) o *= silu_f(gt[k]);
+            if (i < group) outr[i] = o;
+            // A warp's 32 values are consecutive and either all in the group or all past it
+            // (zeros there), so every lane shuffles and only whole groups are stored.
+            if (xq) {
+                const float amax = warp_max(fabsf(o));
+                if (warp_first + k * stride < group)
+                    store_q8r(o, amax, (u32)((base + warp_first + k * stride) >> 5), gridDim.x * (u32)group, xq, xs);
+            }
         }
         return;
     }

@@ -512,7 +512,7 @@ extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char*
     if (c >= (in >> 5)) return;
     float v[32];
     const float amax = load32_amax(x + 32 * (u64)c, v);
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float inv = q8_inv_step(amax);
     u32 packed[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) {
@@ -523,7 +523,7 @@ extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char*
     }
     *(uint4*)(xq + 16 * (u64)c) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     *(uint4*)(xq + (in >> 1) + 16 * (u64)c) = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    xs[c] = amax / 127.0f;
+    xs[c] = q8_step(amax);
 }
 
 // prmt.b32 in its generic mode: a selector nibble with bit 3 set yields the selected byte's
