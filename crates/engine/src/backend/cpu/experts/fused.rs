@@ -24,8 +24,9 @@
 //! dequantising a row into the worker's scratch and dotting it in f32 (both paths).
 //!
 //! Activations are prepared once per call ([`prepare`]) into the layout the kernels read:
-//! NVFP4 exact: per 32 values, the 16 even then the 16 odd ones (the low and high nibbles of
-//! 16 code bytes); NVFP4 fast: the same per 128 values (64 + 64); Q2_0: per 64 values, value
+//! NVFP4 exact: on AVX2 per 32 values, the 16 even then the 16 odd ones (the low and high
+//! nibbles of 16 code bytes), on AVX-512 nibble-major per two blocks (see [`ActSpec::slot`]);
+//! NVFP4 fast: per 128 values, the 64 even then the 64 odd ones; Q2_0: per 64 values, value
 //! `4b + j` at `16j + b` (the `j`-th 2-bit field of byte `b`); otherwise natural order.
 
 use super::format::{dequantize_row, RowFormat};
@@ -174,10 +175,26 @@ impl ActSpec {
     pub fn slot(&self, i: usize) -> usize {
         match (self.kind, self.fmt) {
             (Kind::Dequant, _) => i,
-            (kind, RowFormat::Nvfp4) => {
-                let c = if kind == Kind::Fast { 128 } else { 32 };
-                let (base, r) = (i / c * c, i % c);
-                base + if r % 2 == 0 { r / 2 } else { c / 2 + r / 2 }
+            (Kind::Fast, RowFormat::Nvfp4) => {
+                let (base, r) = (i / 128 * 128, i % 128);
+                base + if r % 2 == 0 { r / 2 } else { 64 + r / 2 }
+            }
+            (_, RowFormat::Nvfp4) if self.isa != Isa::Avx512 => {
+                let (base, r) = (i / 32 * 32, i % 32);
+                base + if r % 2 == 0 { r / 2 } else { 16 + r / 2 }
+            }
+            // Exact on AVX-512: the kernel reads a block's 32 code bytes as 8 u32 lanes and
+            // shifts nibble `s` of every lane into the index bits, two blocks side by side
+            // (lanes 8–15 the second): value `64j + 8l + s` (block `j`, lane `l`, nibble `s`)
+            // sits at `16s + 8j + l`; an odd last block is laid out alone, at `8s + l`.
+            (_, RowFormat::Nvfp4) => {
+                if i / 128 * 128 + 128 <= self.k {
+                    let (base, r) = (i / 128 * 128, i % 128);
+                    base + 16 * (r % 8) + 8 * (r / 64) + (r % 64) / 8
+                } else {
+                    let (base, r) = (i / 64 * 64, i % 64);
+                    base + 8 * (r % 8) + r / 8
+                }
             }
             (_, RowFormat::Ggml(GgmlType::Q2_0)) => {
                 let (base, r) = (i / 64 * 64, i % 64);
@@ -769,38 +786,97 @@ mod x86 {
         out
     }
 
+    /// E4M3 scale bytes to f32, lane `l` converting byte `(l / 2) % 4` of its dword (the
+    /// scale of the lane's group): the byte is shifted to the top of the lane, then
+    /// [`e4m3_by_bits`] in vector form (arithmetic shift, mask, × 2^120). No table loads.
+    #[inline(always)]
+    unsafe fn nvfp4_scales_avx512(dwords: __m512i) -> __m512 {
+        let top = _mm512_sllv_epi32(
+            dwords,
+            _mm512_setr_epi32(24, 24, 16, 16, 8, 8, 0, 0, 24, 24, 16, 16, 8, 8, 0, 0),
+        );
+        let bits = _mm512_and_si512(
+            _mm512_srai_epi32::<4>(top),
+            _mm512_set1_epi32(0x87f0_0000u32 as i32),
+        );
+        _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(E4M3_BIAS_MULT))
+    }
+
+    /// Exact NVFP4 on AVX-512, two blocks per step. The 64 code bytes are read as 16 u32 lanes
+    /// (lanes 8–15 the second block); shifting them by `4s` puts nibble `s` of every lane in
+    /// the four index bits `vpermps` reads, so one shift and one permute yield 16 weights with
+    /// no byte-to-lane widening. A lane's 8 weights share a 16-weight group, so its 8 products
+    /// are summed before one multiply by the group scale (per 128 weights: 7 shifts,
+    /// 8 permutes, 8 multiply-adds, the scale vector, one scale FMA per activation; the earlier
+    /// kernel needed a widening, a shift, two permutes, a blend and three arithmetic ops per 32).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn nvfp4_exact_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
         let table = _mm512_setr_ps(
             0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
         );
-        let mut acc = [[_mm512_setzero_ps(); 2]; N];
-        for b in 0..k / 64 {
-            let blk = row.add(36 * b);
-            for c in 0..2 {
-                let bytes =
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(4 + 16 * c) as *const __m128i));
-                let we = _mm512_permutexvar_ps(bytes, table);
-                let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), table);
-                let sv = _mm512_mask_mov_ps(
-                    _mm512_set1_ps(E4M3_TO_F32[*blk.add(2 * c) as usize]),
-                    0xff00,
-                    _mm512_set1_ps(E4M3_TO_F32[*blk.add(2 * c + 1) as usize]),
-                );
-                for t in 0..N {
-                    let xp = a[t].f.add(64 * b + 32 * c);
-                    let v = _mm512_fmadd_ps(
-                        wo,
-                        _mm512_loadu_ps(xp.add(16)),
-                        _mm512_mul_ps(we, _mm512_loadu_ps(xp)),
-                    );
-                    acc[t][c] = _mm512_fmadd_ps(v, sv, acc[t][c]);
+        // The weights of nibble `s` of every lane.
+        let w = |codes: __m512i| -> [__m512; 8] {
+            [
+                _mm512_permutexvar_ps(codes, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(codes), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(codes), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(codes), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(codes), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(codes), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(codes), table),
+            ]
+        };
+        // Σ_s w[s] · x[16s..16s+16], in two chains.
+        let dot8 = |w: &[__m512; 8], xp: *const f32| -> __m512 {
+            let mut v0 = _mm512_mul_ps(w[0], _mm512_loadu_ps(xp));
+            let mut v1 = _mm512_mul_ps(w[1], _mm512_loadu_ps(xp.add(16)));
+            for s in (2..8).step_by(2) {
+                v0 = _mm512_fmadd_ps(w[s], _mm512_loadu_ps(xp.add(16 * s)), v0);
+                v1 = _mm512_fmadd_ps(w[s + 1], _mm512_loadu_ps(xp.add(16 * s + 16)), v1);
+            }
+            _mm512_add_ps(v0, v1)
+        };
+        // Scale dword 0 for lanes 0–7, dword 9 (the second block's, at byte 36) for 8–15.
+        let sidx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for pb in 0..k / 128 {
+            let b0 = row.add(72 * pb);
+            let codes = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(4) as *const __m256i)),
+                _mm256_loadu_si256(b0.add(40) as *const __m256i),
+            );
+            // 64 bytes from b0 stay within the two blocks (72 bytes).
+            let sv = nvfp4_scales_avx512(_mm512_permutexvar_epi32(
+                sidx,
+                _mm512_loadu_si512(b0 as *const _),
+            ));
+            let w = w(codes);
+            for t in 0..N {
+                let v = dot8(&w, a[t].f.add(128 * pb));
+                acc[t] = _mm512_fmadd_ps(v, sv, acc[t]);
+            }
+        }
+        if !k.is_multiple_of(128) {
+            // An odd last block: lanes 0–7 only (the upper lanes' weights are zero: code 0).
+            let pb = k / 128;
+            let blk = row.add(72 * pb);
+            let codes = _mm512_zextsi256_si512(_mm256_loadu_si256(blk.add(4) as *const __m256i));
+            let sv = nvfp4_scales_avx512(_mm512_set1_epi32((blk as *const i32).read_unaligned()));
+            let w = w(codes);
+            for t in 0..N {
+                let xp = a[t].f.add(128 * pb);
+                let mut v = _mm512_setzero_ps();
+                for (s, ws) in w.iter().enumerate() {
+                    let x = _mm512_maskz_loadu_ps(0x00ff, xp.add(8 * s));
+                    v = _mm512_fmadd_ps(*ws, x, v);
                 }
+                acc[t] = _mm512_fmadd_ps(v, sv, acc[t]);
             }
         }
         let mut out = [0f32; N];
         for t in 0..N {
-            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+            out[t] = _mm512_reduce_add_ps(acc[t]);
         }
         out
     }
@@ -1483,9 +1559,11 @@ mod tests {
                 .into_iter()
                 .flat_map(|i| [(i, MathPath::Exact), (i, MathPath::Fast)])
             {
-                let spec = ActSpec::new(isa, path, fmt, 1024);
-                let mut seen = vec![false; 1024];
-                for i in 0..1024 {
+                // 1088: an odd NVFP4 block count (laid out alone on AVX-512's exact path).
+                let k = if fmt == NVFP4 { 1088 } else { 1024 };
+                let spec = ActSpec::new(isa, path, fmt, k);
+                let mut seen = vec![false; k];
+                for i in 0..k {
                     let s = spec.slot(i);
                     assert!(!seen[s], "{fmt:?} {path:?}: slot {s} twice");
                     seen[s] = true;
@@ -1614,6 +1692,55 @@ mod tests {
         let mut out = vec![0f32; bytes.len() / rb * xs.len()];
         dots(spec, bytes, rb, &acts, &mut out, &mut vec![0f32; k]);
         out
+    }
+
+    /// The exact NVFP4 kernels on rows with an odd block count (AVX-512 takes blocks in pairs
+    /// and lays the last one out alone) against the f64 dot of the dequantised rows.
+    #[test]
+    fn nvfp4_exact_handles_an_odd_last_block() {
+        for k in [64, 192, 320] {
+            let layout = ExpertLayout::new(
+                NVFP4,
+                NVFP4,
+                ExpertShape {
+                    hidden: k,
+                    intermediate: k,
+                },
+            )
+            .unwrap();
+            let mut set = ExpertSet::zeroed(layout, 1);
+            set.randomize(5);
+            let (rows, rb) = (4, layout.gate_up_row_bytes);
+            let mut bytes = Vec::new();
+            for r in 0..rows {
+                bytes.extend_from_slice(set.row(0, ExpertMatrix::Gate, r));
+            }
+            let mut rng = SplitMix(7);
+            for nacts in [1, 2, 4] {
+                let xs: Vec<Vec<f32>> = (0..nacts)
+                    .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
+                    .collect();
+                for isa in isas().into_iter().filter(|&i| i >= Isa::Avx2) {
+                    let spec = ActSpec::new(isa, MathPath::Exact, NVFP4, k);
+                    let out = prepared_dots(&spec, &bytes, rb, &xs);
+                    let mut w = vec![0f32; k];
+                    for r in 0..rows {
+                        dequantize_row_scalar(NVFP4, &bytes[r * rb..(r + 1) * rb], &mut w);
+                        for (j, x) in xs.iter().enumerate() {
+                            let terms = w.iter().zip(x).map(|(p, q)| *p as f64 * *q as f64);
+                            let exact: f64 = terms.clone().sum();
+                            let mag: f64 = terms.map(f64::abs).sum();
+                            let got = out[r * nacts + j] as f64;
+                            assert!(
+                                (got - exact).abs() <= 1e-5 * mag + 1e-6,
+                                "k {k} {}: row {r} act {j}: {got} vs {exact}",
+                                isa.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Every fused kernel against the scalar reference, on random rows, for 1–7 activations.
