@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p capy-flash
 mkdir -p .gpu/tests
-cp target/release/capy-flash .gpu/
+cp "${CARGO_TARGET_DIR:-target}/release/capy-flash" .gpu/
 strip .gpu/capy-flash
 for t in cuda_ops cuda_graphs cuda_bench cuda_flash_next_ops cuda_hybrid cuda_nvrtc_compile \
          cuda_qwen3_5_text_fixtures cuda_qwen4_exp_text_fixtures tensor_parallel_cuda; do

@@ -478,10 +478,9 @@ fn attention_matches_cpu_for_decode_and_prefill() {
         (4, 1, 16, 5, 16),
         // Deep enough that the query rows go in several blocks (group 8 over 300K keys).
         (8, 1, 32, 300_000, 24),
-        // Decode splits longer than a block's 128-key round (several rounds a warp).
+        // Decode splits of hundreds of keys; an odd head dim; a group of 16 (three blocks of
+        // query heads a KV head).
         (8, 1, 32, 200_000, 2),
-        // A head dim that is not whole float4s (the warp-a-key kernel only), a group of 16
-        // (three blocks of query heads a KV head).
         (4, 2, 18, 300, 2),
         (32, 2, 64, 700, 1),
     ] {
@@ -494,18 +493,11 @@ fn attention_matches_cpu_for_decode_and_prefill() {
         let (kc, kg) = pair(&g, total, kv * d, &k);
         let (vc, vg) = pair(&g, total, kv * d, &v);
         let want = c.attention(&qc, &kc, &vc, past, s).data;
-        // Both decode kernels: a lane a key (the default where d % 4 == 0), a warp a key.
-        for lane_per_key in [true, false] {
-            g.set_attention_lane_per_key(lane_per_key);
-            assert_close(
-                &g.to_host(&g.attention(&qg, &kg, &vg, past, s)),
-                &want,
-                &format!(
-                    "attention {heads}/{kv}x{d} past {past} n {n} (lane a key: {lane_per_key})"
-                ),
-            );
-        }
-        g.set_attention_lane_per_key(true);
+        assert_close(
+            &g.to_host(&g.attention(&qg, &kg, &vg, past, s)),
+            &want,
+            &format!("attention {heads}/{kv}x{d} past {past} n {n}"),
+        );
     }
 }
 

@@ -139,7 +139,6 @@ pub fn sources() -> Vec<KernelSource> {
             include_str!("../../../../../kernels/attention.cu"),
             [
                 "attn_split",
-                "attn_split_keys",
                 "attn_combine",
                 "causal_softmax",
                 "causal_softmax_bf16",

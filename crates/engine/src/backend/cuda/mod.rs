@@ -300,9 +300,6 @@ struct Inner {
     records_loaded: std::sync::atomic::AtomicBool,
     /// Which records matvec a one-row product takes (`RecordsKernel`, as `records_kernel_code`).
     records_kernel: AtomicU64,
-    /// Decode attention scores a lane a key (`attn_split_keys`) where the head dim allows;
-    /// `CAPY_ATTN_LANE_PER_KEY=0` keeps the warp-a-key kernel (comparisons, tests).
-    attention_lane_per_key: std::sync::atomic::AtomicBool,
     /// Kernels are launched with programmatic dependent launch (kernels/common.cuh): sm_90 and
     /// later, unless `CAPY_PDL=0`.
     pdl: bool,
@@ -593,18 +590,14 @@ fn norm_threads(group: usize) -> usize {
 }
 
 /// Keys per split of the decode attention: enough splits for about 4 blocks an SM (a decode
-/// step has only KV heads × query rows blocks a split: 4 for the 27B), at least `min_len`
-/// keys a split (every split costs the combine a partial row; the lane-per-key kernel takes
-/// 128 keys a round), and at most 1024 splits (attn_combine's limit).
-fn attention_split_len(
-    total: usize,
-    blocks_per_split: usize,
-    multiprocessors: usize,
-    min_len: usize,
-) -> usize {
+/// step has only KV heads × query rows blocks a split: 4 for the 27B, and with 128-key splits
+/// at 8K context the cache was read by 2 blocks an SM at 1.2 TB/s), at least 64 keys a split
+/// (every split costs the combine a partial row), and at most 1024 splits (attn_combine's
+/// limit).
+fn attention_split_len(total: usize, blocks_per_split: usize, multiprocessors: usize) -> usize {
     let want_splits = ceil_div(4 * multiprocessors.max(1), blocks_per_split.max(1));
     ceil_div(total, want_splits)
-        .max(min_len)
+        .max(64)
         .max(ceil_div(total, 1024))
 }
 
@@ -788,9 +781,6 @@ impl CudaBackend {
                 nvfp4_records: std::sync::atomic::AtomicBool::new(nvfp4_records::enabled_by_env()),
                 records_loaded: std::sync::atomic::AtomicBool::new(false),
                 pdl: cc.0 >= 9 && pdl_enabled(),
-                attention_lane_per_key: std::sync::atomic::AtomicBool::new(
-                    std::env::var("CAPY_ATTN_LANE_PER_KEY").map_or(true, |v| v != "0"),
-                ),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -818,14 +808,6 @@ impl CudaBackend {
     /// Elements of all matrices uploaded so far.
     pub fn matrix_elems(&self) -> u64 {
         self.inner.matrix_elems.load(Ordering::Relaxed)
-    }
-
-    /// Whether decode attention may score a lane a key (`attn_split_keys`, the default) or
-    /// always takes the warp-a-key kernel.
-    pub fn set_attention_lane_per_key(&self, on: bool) {
-        self.inner
-            .attention_lane_per_key
-            .store(on, Ordering::Relaxed);
     }
 
     /// Which records matvec one-row products take from now on (default `Auto`;
@@ -1652,20 +1634,10 @@ impl CudaBackend {
         // Up to 6 query heads of one KV head a block (kernels/attention.cu, ATTN_GQA_MAX).
         let group = s.num_heads / s.num_kv_heads;
         let blocks = s.num_kv_heads * ceil_div(group, 6);
-        // A lane a key where rows are whole float4s; a warp a key otherwise.
-        let lane_per_key = self.inner.attention_lane_per_key.load(Ordering::Relaxed)
-            && s.head_dim.is_multiple_of(4)
-            && s.head_dim <= 256;
-        let (kernel, min_split) = if lane_per_key {
-            ("attn_split_keys", 128)
-        } else {
-            ("attn_split", 64)
-        };
         let split_len = attention_split_len(
             total,
             blocks * n,
             self.inner.info.multiprocessors.max(1) as usize,
-            min_split,
         );
         let splits = ceil_div(total, split_len).max(1);
         let part_o = self.alloc(
@@ -1673,7 +1645,7 @@ impl CudaBackend {
             "attention partials",
         );
         let part_ml = self.alloc(n * s.num_heads * splits * 2 * 4, "attention partials");
-        launch!(self, kernel, (blocks as u32, splits as u32, n as u32), (128, 1, 1), 0;
+        launch!(self, "attn_split", (blocks as u32, splits as u32, n as u32), (128, 1, 1), 0;
             q.ptr(), k.ptr(), v.ptr(), part_o.ptr, part_ml.ptr, past as i32, s.num_heads as i32,
             s.num_kv_heads as i32, s.head_dim as i32, s.scale, split_len as i32);
         launch!(self, "attn_combine", (s.num_heads as u32, n as u32, 1), (256, 1, 1), 0;
@@ -2723,21 +2695,17 @@ mod tests {
     #[test]
     fn attention_splits_fill_the_gpu_within_the_combine_limit() {
         // The 27B at 8K on an H100: 4 blocks a split, 132 SMs → 128 splits of 64 keys.
-        assert_eq!(attention_split_len(8192, 4, 132, 64), 64);
-        // The lane-per-key kernel: 64 splits of 128.
-        assert_eq!(attention_split_len(8192, 4, 132, 128), 128);
+        assert_eq!(attention_split_len(8192, 4, 132), 64);
         // Longer contexts: about 4 blocks an SM, longer splits.
-        assert_eq!(attention_split_len(65536, 4, 132, 128), 497);
-        // Short contexts keep the minimum.
-        assert_eq!(attention_split_len(100, 4, 132, 64), 64);
+        assert_eq!(attention_split_len(65536, 4, 132), 497);
+        // Short contexts keep 64 keys a split.
+        assert_eq!(attention_split_len(100, 4, 132), 64);
         for total in [1, 63, 64, 65, 8191, 100_000, 131_072, 131_073, 1 << 20] {
             for (blocks, sms) in [(1, 1), (4, 132), (48, 170), (1, 1000)] {
-                for min_len in [64, 128] {
-                    let len = attention_split_len(total, blocks, sms, min_len);
-                    let splits = ceil_div(total, len);
-                    assert!(len >= min_len, "{total} keys: splits of {len}");
-                    assert!(splits <= 1024, "{total} keys: {splits} splits");
-                }
+                let len = attention_split_len(total, blocks, sms);
+                let splits = ceil_div(total, len);
+                assert!(len >= 64, "{total} keys: splits of {len}");
+                assert!(splits <= 1024, "{total} keys: {splits} splits");
             }
         }
     }
