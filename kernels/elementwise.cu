@@ -182,3 +182,36 @@ extern "C" __global__ void silu_mul_halves_q8(const float* gu, float* out, int i
     out[i] = o;
     warp_store_q8r(o, (u32)(i >> 5), inter, xq, xs);
 }
+
+// One decode row of a GDN layer's input side (Backend::gdn_decode_inputs), from the fused
+// projection row `proj` = qkv [channels] ‖ z [v_dim] ‖ b [heads] ‖ a [heads]: thread i below
+// `channels` runs the causal conv of channel i and shifts its state (as
+// causal_conv1d_silu_update for one row), the next v_dim threads copy z, the last `heads`
+// threads compute the gates (as delta_rule_gates). One launch instead of split_cols4,
+// delta_rule_gates and causal_conv1d_silu_update.
+extern "C" __global__ void gdn_decode_inputs(const float* __restrict__ proj, float* __restrict__ state,
+                                             const void* __restrict__ w, int dt, int taps, int channels, int v_dim,
+                                             int heads, const float* __restrict__ a_log,
+                                             const float* __restrict__ dt_bias, float* __restrict__ conv_out,
+                                             float* __restrict__ z, float* __restrict__ g,
+                                             float* __restrict__ beta) { KERNEL_START();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < channels) {
+        const int c = i;
+        float acc = 0.0f;
+        for (int j = 0; j < taps - 1; j++) acc += load_weight(w, dt, (u64)c * taps + j) * state[(u64)j * channels + c];
+        const float x = proj[c];
+        acc += load_weight(w, dt, (u64)c * taps + taps - 1) * x;
+        conv_out[c] = silu_f(acc);
+        for (int j = 0; j + 1 < taps - 1; j++) state[(u64)j * channels + c] = state[(u64)(j + 1) * channels + c];
+        if (taps > 1) state[(u64)(taps - 2) * channels + c] = x;
+    } else if (i < channels + v_dim) {
+        z[i - channels] = proj[i];
+    } else if (i < channels + v_dim + heads) {
+        const int h = i - channels - v_dim;
+        const float x = proj[channels + v_dim + heads + h] + dt_bias[h];
+        const float sp = x > 20.0f ? x : log1pf(expf(x));
+        g[h] = -expf(a_log[h]) * sp;
+        beta[h] = sigmoid_f(proj[channels + v_dim + h]);
+    }
+}

@@ -608,6 +608,49 @@ fn causal_conv_matches_cpu_and_carries_state() {
     }
 }
 
+/// The GDN layer's decode inputs in one kernel (split, conv with its state, gates) against the
+/// CPU backend's composition of the plain ops, over several steps so that the state carries.
+#[test]
+fn gdn_decode_inputs_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(23);
+    // The 27B's layer (10240 conv channels, 48 heads of 128) and a tiny one with 2 taps.
+    for (conv_dim, heads, dv, taps) in [(10240, 48, 128, 4), (40, 3, 8, 2)] {
+        let v_dim = heads * dv;
+        let cols = conv_dim + v_dim + 2 * heads;
+        let w = r.vec(conv_dim * taps, 0.5);
+        let t = host_matrix("conv", conv_dim, taps, &w, DType::BF16);
+        let (wc, wg) = (c.matrix(&t).unwrap(), g.matrix(&t).unwrap());
+        let init = r.vec((taps - 1) * conv_dim, 1.0);
+        let (mut sc, mut sg) = pair(&g, taps - 1, conv_dim, &init);
+        let a_log = r.vec(heads, 1.0);
+        let dt_bias = r.vec(heads, 1.0);
+        let (a_log_g, dt_bias_g) = (g.vector(&a_log).unwrap(), g.vector(&dt_bias).unwrap());
+        for step in 0..3 {
+            let mut proj = r.vec(cols, 4.0);
+            // An `a` past softplus's threshold of 20.
+            proj[conv_dim + v_dim + heads] = 25.0;
+            let (pc, pg) = pair(&g, 1, cols, &proj);
+            let want = c.gdn_decode_inputs(&pc, &mut sc, &wc, &a_log, &dt_bias, conv_dim, v_dim);
+            let got = g.gdn_decode_inputs(&pg, &mut sg, &wg, &a_log_g, &dt_bias_g, conv_dim, v_dim);
+            for (name, (gv, cv)) in ["conv", "z", "g", "beta"].iter().zip(got.iter().zip(&want)) {
+                assert_eq!(g.shape(gv), c.shape(cv), "{name} shape");
+                assert_close(
+                    &g.to_host(gv),
+                    &cv.data,
+                    &format!("gdn_decode_inputs {conv_dim}/{heads} step {step}: {name}"),
+                );
+            }
+            assert_close(
+                &g.to_host(&sg),
+                &sc.data,
+                &format!("gdn_decode_inputs {conv_dim}/{heads} step {step}: conv state"),
+            );
+        }
+    }
+}
+
 #[test]
 fn gated_delta_rule_matches_cpu_in_both_modes() {
     let Some(g) = gpu() else { return };

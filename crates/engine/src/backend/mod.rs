@@ -287,6 +287,29 @@ pub trait Backend: Send + Sync + 'static {
         state: &mut Self::Act,
         weight: &Self::Matrix,
     ) -> Self::Act;
+    /// The input side of a Gated DeltaNet layer for one decode row: `proj` (`[1, conv_dim +
+    /// v_dim + 2·heads]`, the fused `qkv ‖ z ‖ b ‖ a` projection) split, the causal conv of its
+    /// `qkv` part (carrying `conv_state`) and the gates from `a` and `b`. Returns
+    /// `[conv output [1, conv_dim], z [1, v_dim], g [1, heads], beta [1, heads]]`. The default
+    /// composes `split_cols`, `delta_rule_gates` and `causal_conv1d_silu`; a backend may do it
+    /// in one pass (a decode step runs it 48 times on the 27B).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_decode_inputs(
+        &self,
+        proj: &Self::Act,
+        conv_state: &mut Self::Act,
+        conv_weight: &Self::Matrix,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        conv_dim: usize,
+        v_dim: usize,
+    ) -> [Self::Act; 4] {
+        let heads = (self.shape(proj).1 - conv_dim - v_dim) / 2;
+        let [qkv, z, b, a] = self.split_cols(proj, [conv_dim, v_dim, heads, heads]);
+        let (g, beta) = self.delta_rule_gates(&a, &b, a_log, dt_bias);
+        let conv = self.causal_conv1d_silu(&qkv, conv_state, conv_weight);
+        [conv, z, g, beta]
+    }
     /// GDN gates from the `a` and `b` projections: `g = -exp(A_log)·softplus(a + dt_bias)`,
     /// `beta = sigmoid(b)`, both `[n, v_heads]`.
     fn delta_rule_gates(

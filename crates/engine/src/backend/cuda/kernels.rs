@@ -118,6 +118,7 @@ pub fn sources() -> Vec<KernelSource> {
                 "causal_conv1d_silu",
                 "causal_conv1d_state",
                 "causal_conv1d_silu_update",
+                "gdn_decode_inputs",
             ]
             .map(String::from)
             .to_vec(),

@@ -2559,6 +2559,40 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn gdn_decode_inputs(
+        &self,
+        proj: &CudaTensor,
+        conv_state: &mut CudaTensor,
+        conv_weight: &CudaMatrix,
+        a_log: &CudaVector,
+        dt_bias: &CudaVector,
+        conv_dim: usize,
+        v_dim: usize,
+    ) -> [CudaTensor; 4] {
+        conv_state.written();
+        let heads = a_log.len;
+        let (channels, taps) = (conv_weight.rows, conv_weight.cols);
+        assert_eq!(
+            (proj.rows, proj.cols),
+            (1, conv_dim + v_dim + 2 * heads),
+            "gdn_decode_inputs: one row of qkv ‖ z ‖ b ‖ a expected"
+        );
+        assert_eq!(channels, conv_dim, "gdn_decode_inputs: conv weight rows");
+        assert!(taps >= 1, "causal conv: the weight has no taps");
+        assert_eq!(conv_state.len(), (taps - 1) * channels);
+        assert_eq!(dt_bias.len, heads);
+        let conv = self.alloc_act(1, conv_dim, 1);
+        let z = self.alloc_act(1, v_dim, 1);
+        let g = self.alloc_act(1, heads, 1);
+        let beta = self.alloc_act(1, heads, 1);
+        let threads = conv_dim + v_dim + heads;
+        launch!(self, "gdn_decode_inputs", (ceil_div(threads, 128) as u32, 1, 1), (128, 1, 1), 0;
+            proj.ptr(), conv_state.ptr(), conv_weight.buf.ptr, conv_weight.dense_dtype("causal conv") as i32,
+            taps as i32, channels as i32, v_dim as i32, heads as i32, a_log.buf.ptr, dt_bias.buf.ptr,
+            conv.ptr(), z.ptr(), g.ptr(), beta.ptr());
+        [conv, z, g, beta]
+    }
+
     fn delta_rule_gates(
         &self,
         a: &CudaTensor,

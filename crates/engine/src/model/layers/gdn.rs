@@ -110,6 +110,11 @@ impl<B: Backend> GatedDeltaNet<B> {
         let nv = s.num_v_heads;
         // 1. projections of the whole batch
         let proj = b.linear(x, &self.in_proj);
+        if let ([span], [state]) = (spans, &mut *states) {
+            if span.len == 1 && b.shape(&proj).0 == 1 {
+                return self.decode_one(b, &proj, state);
+            }
+        }
         let [mixed_qkv, z, beta_in, a_in] = b.split_cols(&proj, [self.conv_dim, vd, nv, nv]);
         let (g, beta) = b.delta_rule_gates(&a_in, &beta_in, &self.a_log, &self.dt_bias);
         // 2. per sequence: causal conv, then the gated delta rule on its packed `q ‖ k ‖ v`
@@ -138,17 +143,47 @@ impl<B: Backend> GatedDeltaNet<B> {
         }
         // 3. gated RMSNorm per value head (`norm(x) · w · act(z)`), output projection
         let core = join_rows(b, outs);
+        self.output(b, &core, &z)
+    }
+
+    /// One sequence's one new token: the split, conv and gates in one backend op
+    /// (`Backend::gdn_decode_inputs`), the delta rule in its recurrent form.
+    fn decode_one(&self, b: &B, proj: &B::Act, state: &mut LinearState<B>) -> B::Act {
+        let s = self.shape;
+        let [qkv, z, g, beta] = b.gdn_decode_inputs(
+            proj,
+            &mut state.conv,
+            &self.conv1d,
+            &self.a_log,
+            &self.dt_bias,
+            self.conv_dim,
+            s.num_v_heads * s.v_head_dim,
+        );
+        let core = b.gated_delta_rule_packed(
+            &qkv,
+            &g,
+            &beta,
+            &mut state.recurrent,
+            s,
+            DeltaRuleMode::Recurrent,
+        );
+        self.output(b, &core, &z)
+    }
+
+    /// The gated RMSNorm per value head (`norm(x) · w · act(z)`), then the output projection.
+    fn output(&self, b: &B, core: &B::Act, z: &B::Act) -> B::Act {
+        let s = self.shape;
         let normed = match self.gate {
-            GateActivation::Silu => b.rms_norm_gated(&core, &z, &self.norm, self.eps, s.v_head_dim),
+            GateActivation::Silu => b.rms_norm_gated(core, z, &self.norm, self.eps, s.v_head_dim),
             GateActivation::Sigmoid => b.sigmoid_gate(
                 &b.rms_norm(
-                    &core,
+                    core,
                     &self.norm,
                     self.eps,
                     crate::backend::NormScale::Plain,
                     s.v_head_dim,
                 ),
-                &z,
+                z,
             ),
         };
         b.linear(&normed, &self.out_proj)
