@@ -17,7 +17,8 @@ if [ -n "$FOOTPRINT" ]; then
   done
 fi
 if [ -n "$CPU_EXPERTS" ]; then
-  for run in iq3_s:avx512:0 iq3_s:avx512:1 iq3_s:avx2:0 iq3_s:avx2:1 nvfp4:avx512:0 nvfp4:avx512:1; do
+  for run in iq3_s:avx512:0 iq3_s:avx512:1 iq3_s:avx2:0 iq3_s:avx2:1 nvfp4:avx512:0 nvfp4:avx512:1 \
+             nvfp4:avx2:0 nvfp4:avx2:1; do
     IFS=: read -r f isa exact <<< "$run"
     CAPY_CPU_ISA=$isa CAPY_EXACT_MATH=$exact step "cpu-experts-$f-$isa-$exact" 90 .gpu/capy-flash \
       bench --out "$LOGS/cpu-experts-$f-$isa-exact$exact.json" cpu-experts --format "$f" --threads 16 --batch 1
