@@ -686,24 +686,6 @@ mod x86 {
         GridF32(t)
     };
 
-    /// For each byte of sign bits, the f32 sign masks of its 8 weights (bit `l` → lane `l`).
-    #[repr(C, align(32))]
-    struct SignLanes([[u32; 8]; 256]);
-
-    static SIGN_LANES: SignLanes = {
-        let mut t = [[0u32; 8]; 256];
-        let mut b = 0;
-        while b < 256 {
-            let mut l = 0;
-            while l < 8 {
-                t[b][l] = ((b as u32 >> l) & 1) << 31;
-                l += 1;
-            }
-            b += 1;
-        }
-        SignLanes(t)
-    };
-
     /// The 16 grid entries of IQ3_S sub-blocks `2·pair` and `2·pair + 1`: one 16-lane gather
     /// (`GATHER`) or two vectors of scalar loads.
     #[inline]
@@ -1028,26 +1010,36 @@ mod x86 {
     // ---- IQ3_S --------------------------------------------------------------------------
 
     /// Exact IQ3_S on AVX2: each grid entry's four magnitudes come as f32 from
-    /// [`IQ3S_GRID_F32`] (two entries per vector), each byte of sign bits as a lane mask from
-    /// [`SIGN_LANES`]; per 8 weights that is one insert, one xor and the FMA. The same products
-    /// and sums as [`iq3s_exact_avx2_gather`], so the results are bit-identical.
+    /// [`IQ3S_GRID_F32`] (two entries per vector), the sign bits are shifted to bit 31 of their
+    /// lanes; per 8 weights that is one insert, a shift, an and, a xor and the FMA. The same
+    /// products and sums as [`iq3s_exact_avx2_gather`], so the results are bit-identical.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn iq3s_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
         let grid = IQ3S_GRID_F32.0.as_ptr() as *const u8;
+        // Sign bit 8q + l of a sub-block's u32 (weight 8q + l) shifted to bit 31 of lane l.
+        let sh = |q: i32| {
+            let c = 31 - 8 * q;
+            _mm256_setr_epi32(c, c - 1, c - 2, c - 3, c - 4, c - 5, c - 6, c - 7)
+        };
+        let shifts = [sh(0), sh(1), sh(2), sh(3)];
+        let sign = _mm256_set1_epi32(i32::MIN);
         let mut acc = [_mm256_setzero_ps(); N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
             let db = iq3s_db_lanes_avx2(p, f16(p));
             for sub in 0..8 {
                 let off = iq3s_offsets_avx2::<4>(p, sub);
+                let sbits = _mm256_set1_epi32((p.add(74 + 4 * sub) as *const i32).read_unaligned());
                 let mut tmp = [_mm256_setzero_ps(); N];
                 for q in 0..4 {
                     let mags = _mm256_loadu2_m128(
                         grid.add(off.get(2 * q + 1)) as *const f32,
                         grid.add(off.get(2 * q)) as *const f32,
                     );
-                    let signs = SIGN_LANES.0[*p.add(74 + 4 * sub + q) as usize].as_ptr();
-                    let w = _mm256_xor_ps(mags, _mm256_load_ps(signs as *const f32));
+                    // Two ALU ops instead of a table load per 8 weights: the loads (grid
+                    // offsets, grid entries, activations) are what limits this kernel.
+                    let signs = _mm256_and_si256(_mm256_sllv_epi32(sbits, shifts[q]), sign);
+                    let w = _mm256_xor_ps(mags, _mm256_castsi256_ps(signs));
                     for t in 0..N {
                         let xp = a[t].f.add(256 * blk + 32 * sub + 8 * q);
                         tmp[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp), tmp[t]);
