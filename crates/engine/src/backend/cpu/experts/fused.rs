@@ -1031,14 +1031,14 @@ mod x86 {
                 let off = iq3s_offsets_avx2::<4>(p, sub);
                 let sbits = _mm256_set1_epi32((p.add(74 + 4 * sub) as *const i32).read_unaligned());
                 let mut tmp = [_mm256_setzero_ps(); N];
-                for q in 0..4 {
+                for (q, &shift) in shifts.iter().enumerate() {
                     let mags = _mm256_loadu2_m128(
                         grid.add(off.get(2 * q + 1)) as *const f32,
                         grid.add(off.get(2 * q)) as *const f32,
                     );
                     // Two ALU ops instead of a table load per 8 weights: the loads (grid
                     // offsets, grid entries, activations) are what limits this kernel.
-                    let signs = _mm256_and_si256(_mm256_sllv_epi32(sbits, shifts[q]), sign);
+                    let signs = _mm256_and_si256(_mm256_sllv_epi32(sbits, shift), sign);
                     let w = _mm256_xor_ps(mags, _mm256_castsi256_ps(signs));
                     for t in 0..N {
                         let xp = a[t].f.add(256 * blk + 32 * sub + 8 * q);
