@@ -564,6 +564,29 @@ __device__ __forceinline__ float nvfp4r_chunk_dot(uint4 codes, u32 scales, uint4
     return (float)(pos[0] - neg[0]) * s.x + (float)(pos[1] - neg[1]) * s.y;
 }
 
+// Record r (1024 weights) of rows row0..row0+RPW-1 (clamped to the last row) against x, added
+// into acc: each lane's 32 weights of every row, then x's 32 int8 values and their scale. The
+// step both records kernels repeat.
+template <int RPW>
+__device__ __forceinline__ void nvfp4r_record(const unsigned char* w, const uint4* xa_plane, const uint4* xb_plane,
+                                              const float* xs, int r, int lane, int row0, int out, u64 row_bytes,
+                                              float (&acc)[RPW]) {
+    const int c = 32 * r + lane;
+    uint4 codes[RPW];
+    u32 sc[RPW];
+#pragma unroll
+    for (int o = 0; o < RPW; o++) {
+        const int row = min(row0 + o, out - 1);
+        const unsigned char* rec = w + (u64)row * row_bytes + (u64)r * NVFP4R_RECORD;
+        codes[o] = __ldg((const uint4*)(rec + 64) + lane);
+        sc[o] = __ldg((const u16*)rec + lane);
+    }
+    const uint4 xa = __ldg(xa_plane + c), xb = __ldg(xb_plane + c);
+    const float xscale = __ldg(xs + c);
+#pragma unroll
+    for (int o = 0; o < RPW; o++) acc[o] += nvfp4r_chunk_dot(codes[o], sc[o], xa, xb) * xscale;
+}
+
 // y[out] = mult · W[out, in] · x with W in NVFP4 records (in % 1024 == 0), x from
 // quantize_x_q8r. Each warp takes RPW consecutive rows per pass, grid-stride over warps; any
 // block of whole warps.
@@ -580,22 +603,7 @@ __device__ __forceinline__ void nvfp4r_q8_impl(const unsigned char* w, const uns
 #pragma unroll
         for (int o = 0; o < RPW; o++) acc[o] = 0.0f;
 #pragma unroll 2
-        for (int r = 0; r < records; r++) {
-            const int c = 32 * r + lane;
-            uint4 codes[RPW];
-            u32 sc[RPW];
-#pragma unroll
-            for (int o = 0; o < RPW; o++) {
-                const int row = min(row0 + o, out - 1);
-                const unsigned char* rec = w + (u64)row * row_bytes + (u64)r * NVFP4R_RECORD;
-                codes[o] = __ldg((const uint4*)(rec + 64) + lane);
-                sc[o] = __ldg((const u16*)rec + lane);
-            }
-            const uint4 xa = __ldg(xa_plane + c), xb = __ldg(xb_plane + c);
-            const float xscale = __ldg(xs + c);
-#pragma unroll
-            for (int o = 0; o < RPW; o++) acc[o] += nvfp4r_chunk_dot(codes[o], sc[o], xa, xb) * xscale;
-        }
+        for (int r = 0; r < records; r++) nvfp4r_record<RPW>(w, xa_plane, xb_plane, xs, r, lane, row0, out, row_bytes, acc);
 #pragma unroll
         for (int o = 0; o < RPW; o++) {
             const float s = warp_sum(acc[o]);
@@ -635,22 +643,7 @@ __device__ __forceinline__ void nvfp4r_q8_splitk_impl(const unsigned char* w, co
 #pragma unroll
     for (int o = 0; o < RPW; o++) acc[o] = 0.0f;
 #pragma unroll 2
-    for (int r = slice; r < records; r += KS) {
-        const int c = 32 * r + lane;
-        uint4 codes[RPW];
-        u32 sc[RPW];
-#pragma unroll
-        for (int o = 0; o < RPW; o++) {
-            const int row = min(row0 + o, out - 1);
-            const unsigned char* rec = w + (u64)row * row_bytes + (u64)r * NVFP4R_RECORD;
-            codes[o] = __ldg((const uint4*)(rec + 64) + lane);
-            sc[o] = __ldg((const u16*)rec + lane);
-        }
-        const uint4 xa = __ldg(xa_plane + c), xb = __ldg(xb_plane + c);
-        const float xscale = __ldg(xs + c);
-#pragma unroll
-        for (int o = 0; o < RPW; o++) acc[o] += nvfp4r_chunk_dot(codes[o], sc[o], xa, xb) * xscale;
-    }
+    for (int r = slice; r < records; r += KS) nvfp4r_record<RPW>(w, xa_plane, xb_plane, xs, r, lane, row0, out, row_bytes, acc);
 #pragma unroll
     for (int o = 0; o < RPW; o++) {
         const float s = warp_sum(acc[o]);
