@@ -38,6 +38,28 @@ impl<B: Backend> RoutedExperts<B> for RankExperts<B> {
             }
         }
     }
+
+    /// Hands the layer's device work to the inner experts, so that a hybrid rank queues it
+    /// while its CPU experts compute (the default would run it first, and the inner experts'
+    /// read of `x` would then wait for it).
+    fn forward_overlapped(
+        &self,
+        b: &B,
+        x: &B::Act,
+        routing: &MoeRouting,
+        queue_device_work: &mut dyn FnMut(),
+    ) -> B::Act {
+        match self.owned_routing(routing) {
+            Some(owned) => self
+                .inner
+                .forward_overlapped(b, x, &owned, queue_device_work),
+            None => {
+                queue_device_work();
+                let (n, h) = b.shape(x);
+                b.zeros(n, h)
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -116,6 +138,76 @@ mod tests {
                 .map(|(a, c)| (a - c).abs())
                 .fold(0.0, f32::max);
             assert!(worst < 1e-5, "{ranks} ranks: max |Δ| {worst}");
+        }
+    }
+
+    /// Inner experts that note whether the layer's device work came to them.
+    struct Spy(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+    impl RoutedExperts<CpuBackend> for Spy {
+        fn forward(
+            &self,
+            b: &CpuBackend,
+            x: &crate::backend::cpu::CpuTensor,
+            _: &MoeRouting,
+        ) -> crate::backend::cpu::CpuTensor {
+            let (n, h) = b.shape(x);
+            b.zeros(n, h)
+        }
+        fn forward_overlapped(
+            &self,
+            b: &CpuBackend,
+            x: &crate::backend::cpu::CpuTensor,
+            routing: &MoeRouting,
+            queue_device_work: &mut dyn FnMut(),
+        ) -> crate::backend::cpu::CpuTensor {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            queue_device_work();
+            self.forward(b, x, routing)
+        }
+    }
+
+    /// A rank hands the layer's device work to its inner experts (a hybrid rank overlaps it
+    /// with its CPU experts), and still runs it exactly once where it owns none of the chosen
+    /// experts.
+    #[test]
+    fn the_device_work_reaches_the_inner_experts_once() {
+        let b = CpuBackend::new();
+        let x = b.from_host(1, 4, &[0.5, -1.0, 2.0, 0.25]);
+        let shard = RankShard {
+            rank: 1,
+            ranks: 2,
+            heads: 0..1,
+            kv_heads: 0..1,
+            gdn_v_heads: 0..1,
+            gdn_k_heads: 0..1,
+            mlp: 0..1,
+            vocab: 0..1,
+            shared_expert: 0..1,
+        };
+        for (experts, inner_calls) in [(vec![1u32, 3], 1), (vec![0, 2], 0)] {
+            let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let re = RankExperts::new(Box::new(Spy(calls.clone())), shard.clone());
+            assert_eq!(
+                re.owned_routing(&MoeRouting {
+                    top_k: 2,
+                    experts: experts.clone(),
+                    weights: vec![0.5, 0.5]
+                })
+                .is_some(),
+                inner_calls == 1
+            );
+            let routing = MoeRouting {
+                top_k: 2,
+                experts,
+                weights: vec![0.5, 0.5],
+            };
+            let mut queued = 0;
+            re.forward_overlapped(&b, &x, &routing, &mut || queued += 1);
+            assert_eq!(queued, 1, "the device work runs exactly once");
+            assert_eq!(
+                calls.load(std::sync::atomic::Ordering::Relaxed),
+                inner_calls
+            );
         }
     }
 }
