@@ -77,6 +77,21 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
+    /// Rank `rank` of `ranks` (only the experts' ownership matters here).
+    fn shard(rank: usize, ranks: usize) -> RankShard {
+        RankShard {
+            rank,
+            ranks,
+            heads: 0..1,
+            kv_heads: 0..1,
+            gdn_v_heads: 0..1,
+            gdn_k_heads: 0..1,
+            mlp: 0..1,
+            vocab: 0..1,
+            shared_expert: 0..1,
+        }
+    }
+
     fn experts(b: &CpuBackend, count: usize, h: usize, i: usize) -> BackendExperts<CpuBackend> {
         let mut seed = 7u64;
         let mut m = |rows: usize, cols: usize| {
@@ -113,17 +128,7 @@ mod tests {
         for ranks in [2usize, 3] {
             let mut sum = vec![0f32; n * h];
             for r in 0..ranks {
-                let shard = RankShard {
-                    rank: r,
-                    ranks,
-                    heads: 0..1,
-                    kv_heads: 0..1,
-                    gdn_v_heads: 0..1,
-                    gdn_k_heads: 0..1,
-                    mlp: 0..1,
-                    vocab: 0..1,
-                    shared_expert: 0..1,
-                };
+                let shard = shard(r, ranks);
                 let re = RankExperts::new(Box::new(experts(&b, e, h, i)), shard.clone());
                 if let Some(owned) = re.owned_routing(&routing) {
                     assert!(owned.experts.iter().all(|&x| shard.owns_expert(x as usize)));
@@ -173,17 +178,7 @@ mod tests {
     fn the_device_work_reaches_the_inner_experts_once() {
         let b = CpuBackend::new();
         let x = b.from_host(1, 4, &[0.5, -1.0, 2.0, 0.25]);
-        let shard = RankShard {
-            rank: 1,
-            ranks: 2,
-            heads: 0..1,
-            kv_heads: 0..1,
-            gdn_v_heads: 0..1,
-            gdn_k_heads: 0..1,
-            mlp: 0..1,
-            vocab: 0..1,
-            shared_expert: 0..1,
-        };
+        let shard = shard(1, 2);
         for (experts, inner_calls) in [(vec![1u32, 3], 1), (vec![0, 2], 0)] {
             let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let re = RankExperts::new(Box::new(Spy(calls.clone())), shard.clone());

@@ -459,18 +459,7 @@ pub fn moe_experts(
     out: &mut [f32],
     scratch: &mut MoeScratch,
 ) -> Result<()> {
-    moe_experts_with(
-        pool,
-        isa,
-        fused::math_path(),
-        set,
-        x,
-        ids,
-        weights,
-        top_k,
-        out,
-        scratch,
-    )
+    moe_experts_overlapping(pool, isa, set, x, ids, weights, top_k, out, scratch, || {})
 }
 
 /// [`moe_experts`], with the caller's own work `first` (queuing device launches) run on the
