@@ -22,13 +22,17 @@ step() { # name timeout command...
   [ $rc -eq 0 ] || tail -25 "$LOGS/$name.txt"
 }
 
-# One 27B NVFP4 decode step's kernels under ncu, summed per kernel into $OUT/ncu-summary.json.
+# One decode step's kernels under ncu, summed per kernel into $OUT/<name>.json: by default the
+# 27B NVFP4 into ncu-summary.json; `ncu_decode_profile NAME ARGS...` profiles `bench gpu ARGS`.
 ncu_decode_profile() {
-  CAPY_PROFILE_DECODE_STEPS=2 step ncu 300 ncu --clock-control none --cache-control none \
+  local name=${1:-ncu-summary}
+  shift || true
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(--synthetic qwen3.8-27b --quant nvfp4)
+  CAPY_PROFILE_DECODE_STEPS=2 step "$name" 400 ncu --clock-control none --cache-control none \
     --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \
-    .gpu/capy-flash bench --out "$LOGS/gpu-ncu.json" gpu --synthetic qwen3.8-27b --quant nvfp4 \
-    --decode-tokens 8
-  python3 tools/gpu_box/ncu_summary.py "$LOGS/ncu.txt" 2 > "$OUT/ncu-summary.json"
+    .gpu/capy-flash bench --out "$LOGS/$name-bench.json" gpu "${args[@]}" --decode-tokens 8
+  python3 tools/gpu_box/ncu_summary.py "$LOGS/$name.txt" 2 > "$OUT/$name.json"
 }
 
 finish() {

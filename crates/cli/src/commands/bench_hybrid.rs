@@ -81,8 +81,7 @@ pub fn run_bench(a: BenchHybridArgs) -> Result<Value> {
     let format = RowFormat::parse(&a.format)?;
     let down_format = match &a.down_format {
         Some(f) => RowFormat::parse(f)?,
-        None if a.intermediate.is_multiple_of(format.block_len()) => format,
-        None => RowFormat::parse("q2_0")?,
+        None => capy_engine::hybrid::bench::default_down_format(format, a.intermediate)?,
     };
     let kv = a.context * KV_BYTES_PER_TOKEN;
     let fixed = DENSE_BYTES + kv + GDN_STATE_BYTES + RESERVE_BYTES;

@@ -22,6 +22,17 @@ use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// The down projection's format for routed experts whose gate/up are in `format`: the same
+/// where its block divides the intermediate width (the rows `down` reads), else Q2_0, as the
+/// GSQ-RCO checkpoints store a 640-wide down projection whose width no 256-weight block divides.
+pub fn default_down_format(format: RowFormat, intermediate: usize) -> Result<RowFormat> {
+    if intermediate.is_multiple_of(format.block_len()) {
+        Ok(format)
+    } else {
+        RowFormat::parse("q2_0")
+    }
+}
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct HybridBenchOptions {
@@ -295,6 +306,18 @@ mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
     use crate::quant::GgmlType;
+
+    #[test]
+    fn down_keeps_the_format_whose_block_divides_the_intermediate_width() {
+        let q8 = RowFormat::Ggml(GgmlType::Q8_0);
+        assert_eq!(default_down_format(q8, 640).unwrap(), q8);
+        let iq3 = RowFormat::parse("iq3_s").unwrap();
+        assert_eq!(default_down_format(iq3, 1024).unwrap(), iq3);
+        // 640 is no multiple of IQ3_S's 256-weight block.
+        let down = default_down_format(iq3, 640).unwrap();
+        assert_eq!(down, RowFormat::parse("q2_0").unwrap());
+        assert!(640usize.is_multiple_of(down.block_len()));
+    }
 
     #[test]
     fn small_run_reports_consistent_figures() {

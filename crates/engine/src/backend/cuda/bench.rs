@@ -465,7 +465,7 @@ pub(crate) fn greedy_steps(
 /// `CAPY_PROFILE_DECODE_STEPS=N`: N more eager decode steps between cuProfilerStart and
 /// cuProfilerStop, so that a profiler started with its capture off (`ncu --profile-from-start
 /// off`) sees exactly one decode step's kernels per step, without the load and the prefill.
-fn profile_decode(
+pub(crate) fn profile_decode(
     backend: &CudaBackend,
     model: &mut dyn CausalLm,
     seq: crate::model::SeqId,

@@ -19,6 +19,7 @@
 //!   as one `[n, heads·dim]` activation (only the rows the tokens hash to); the gate runs here.
 
 use super::{ceil_div, grid_1d, CudaBackend, CudaMatrix, CudaTensor, DevBuf};
+use crate::backend::cpu::experts::RowFormat;
 use crate::backend::{cpu, AttentionShape, Backend, ExpertMatrices, MoeRouting, QsaShape};
 use std::ffi::c_void;
 
@@ -700,16 +701,12 @@ pub const BENCH_BF16_EXPERTS: usize = 64;
 /// per-token cost, 16 rows read on the host, does not depend on it).
 pub const BENCH_NGRAM_BASE: u64 = 1 << 20;
 
-/// GPU time of the Flash-Next ops at the real shapes, each alone: routed experts for one decode
-/// token (10 experts, grouped matvec) and for a prefill batch (GEMM per expert), QSA decode at
-/// `context` and QSA prefill of `context` queries.
-fn flash_next_op_timings(
+/// `count` BF16 experts of the real shape (constant values) for the op timings.
+fn bf16_bench_experts(
     b: &CudaBackend,
-    context: usize,
-    experts: usize,
-) -> anyhow::Result<serde_json::Value> {
+    count: usize,
+) -> anyhow::Result<Vec<ExpertMatrices<CudaMatrix>>> {
     use crate::tensor::{Bytes, DType, HostTensor};
-    let (h, inter, k) = (2560usize, 640usize, 10usize);
     let weight = |name: &str, rows: usize, cols: usize| -> anyhow::Result<CudaMatrix> {
         b.matrix(&HostTensor {
             name: name.into(),
@@ -718,14 +715,27 @@ fn flash_next_op_timings(
             data: Bytes::from_vec(vec![0x3c; rows * cols * 2]),
         })
     };
-    let ex: Vec<ExpertMatrices<CudaMatrix>> = (0..experts)
+    (0..count)
         .map(|e| {
             Ok(ExpertMatrices {
-                gate_up: weight(&format!("e{e}.gate_up"), 2 * inter, h)?,
-                down: weight(&format!("e{e}.down"), h, inter)?,
+                gate_up: weight(&format!("e{e}.gate_up"), 2 * MOE_INTERMEDIATE, MOE_HIDDEN)?,
+                down: weight(&format!("e{e}.down"), MOE_HIDDEN, MOE_INTERMEDIATE)?,
             })
         })
-        .collect::<anyhow::Result<_>>()?;
+        .collect()
+}
+
+/// GPU time of the Flash-Next ops at the real shapes, each alone: routed experts for one decode
+/// token (10 experts, grouped matvec) and for a prefill batch (GEMM per expert), QSA decode at
+/// `context` and QSA prefill of `context` queries.
+fn flash_next_op_timings(
+    b: &CudaBackend,
+    context: usize,
+    ex: &[ExpertMatrices<CudaMatrix>],
+    expert_bytes: f64,
+) -> anyhow::Result<serde_json::Value> {
+    let (h, k) = (2560usize, 10usize);
+    let experts = ex.len();
     let routing = |n: usize| MoeRouting {
         top_k: k,
         experts: (0..n * k)
@@ -735,17 +745,16 @@ fn flash_next_op_timings(
     };
     let x1 = b.zeros(1, h);
     let r1 = routing(1);
-    drop(b.moe_experts(&x1, &r1, &ex));
+    drop(b.moe_experts(&x1, &r1, ex));
     let moe_decode_ms = b.time_ms(|| {
         for _ in 0..10 {
-            drop(b.moe_experts(&x1, &r1, &ex));
+            drop(b.moe_experts(&x1, &r1, ex));
         }
     })? / 10.0;
     let xn = b.zeros(context, h);
     let rn = routing(context);
-    drop(b.moe_experts(&xn, &rn, &ex));
-    let moe_prefill_ms = b.time_ms(|| drop(b.moe_experts(&xn, &rn, &ex)))?;
-    let expert_bytes = (3 * inter * h * 2) as f64;
+    drop(b.moe_experts(&xn, &rn, ex));
+    let moe_prefill_ms = b.time_ms(|| drop(b.moe_experts(&xn, &rn, ex)))?;
     let a = AttentionShape {
         num_heads: 24,
         num_kv_heads: 2,
@@ -789,18 +798,89 @@ fn flash_next_op_timings(
         "moe_experts_decode_bytes_per_s": k as f64 * expert_bytes / (moe_decode_ms as f64 / 1e3),
         "moe_experts_prefill_tokens": context,
         "moe_experts_prefill_ms": moe_prefill_ms,
-        "moe_experts_prefill_flop_per_s": 2.0 * (context * k) as f64 * expert_bytes / 2.0 / (moe_prefill_ms as f64 / 1e3),
+        "moe_experts_prefill_flop_per_s": 2.0 * (context * k * 3 * MOE_INTERMEDIATE * h) as f64 / (moe_prefill_ms as f64 / 1e3),
         "qsa_decode_ms_at_context": qsa_decode_ms,
         "qsa_prefill_ms": qsa_prefill_ms,
     }))
 }
 
-/// Builds the synthetic Flash-Next model (BF16, [`BENCH_BF16_EXPERTS`] routed experts per
-/// layer, all on the GPU), prefills `opts.context` tokens (timed), then times
-/// `opts.decode_steps` single-token steps at that context. Returns the figures as JSON.
+/// Flash-Next's routed experts per layer and their shape (MODELS.md).
+pub const FLASH_NEXT_EXPERTS: usize = 512;
+const MOE_HIDDEN: usize = 2560;
+const MOE_INTERMEDIATE: usize = 640;
+
+/// Distinct random expert payloads of the quantized bench; each expert gets its own device
+/// copy of one of them.
+const SYNTHETIC_EXPERT_PAYLOADS: usize = 8;
+
+/// The routed experts of the quantized Flash-Next bench: random valid blocks of the gate/up
+/// format and of the down format, generated once as a few distinct payloads and uploaded into
+/// every expert's own allocation. Each token reads the bytes and runs the kernels a real
+/// checkpoint of these formats would; only the values repeat between experts, which the
+/// routing (the random BF16 router) does not see.
+struct SyntheticExperts {
+    gate_up_format: RowFormat,
+    down_format: RowFormat,
+    gate_up: Vec<(Vec<u8>, f32)>,
+    down: Vec<(Vec<u8>, f32)>,
+}
+
+impl SyntheticExperts {
+    fn new(gate_up_format: RowFormat, down_format: RowFormat, seed: u64) -> anyhow::Result<Self> {
+        let (h, i) = (MOE_HIDDEN, MOE_INTERMEDIATE);
+        let payloads = |format, rows, cols, salt: u64| {
+            (0..SYNTHETIC_EXPERT_PAYLOADS as u64)
+                .map(|p| super::synthetic_quant_blocks(format, rows, cols, seed ^ (salt + p) << 32))
+                .collect::<anyhow::Result<Vec<_>>>()
+        };
+        Ok(SyntheticExperts {
+            gate_up_format,
+            down_format,
+            gate_up: payloads(gate_up_format, 2 * i, h, 0x100)?,
+            down: payloads(down_format, h, i, 0x200)?,
+        })
+    }
+
+    /// Device bytes of one expert (gate ‖ up, then down), as stored.
+    fn expert_bytes(&self) -> u64 {
+        (self.gate_up[0].0.len() + self.down[0].0.len()) as u64
+    }
+
+    /// Uploads `count` experts; `first` picks where in the payload cycle they start.
+    fn upload(
+        &self,
+        b: &CudaBackend,
+        first: usize,
+        count: usize,
+    ) -> anyhow::Result<Vec<ExpertMatrices<CudaMatrix>>> {
+        let (h, i) = (MOE_HIDDEN, MOE_INTERMEDIATE);
+        (first..first + count)
+            .map(|e| {
+                let (gu, gu_mult) = &self.gate_up[e % self.gate_up.len()];
+                // A different stride for down, so that an expert's two payloads pair up differently.
+                let (d, d_mult) = &self.down[(e / self.gate_up.len() + e) % self.down.len()];
+                Ok(ExpertMatrices {
+                    gate_up: b.quant_matrix(self.gate_up_format, 2 * i, h, gu, *gu_mult)?,
+                    down: b.quant_matrix(self.down_format, h, i, d, *d_mult)?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Builds the synthetic Flash-Next model with every routed expert on the GPU, prefills
+/// `opts.context` tokens (timed), then times `opts.decode_steps` single-token steps at that
+/// context. Returns the figures as JSON.
+///
+/// With `opts.quant` the routed experts are all [`FLASH_NEXT_EXPERTS`] per layer in that
+/// format (down in [`default_down_format`]), kept quantized, and everything else BF16, as the
+/// published NVFP4 build stores it; without, everything is BF16 and each layer keeps
+/// [`BENCH_BF16_EXPERTS`] experts (the full set would be ~250 GB).
 pub fn run_synthetic_flash_next(
     opts: &super::bench::SyntheticBenchOptions,
 ) -> anyhow::Result<serde_json::Value> {
+    use crate::hybrid::bench::default_down_format;
+    use crate::model::layers::moe::{BackendExperts, RoutedExperts};
     use crate::model::qwen4_exp_text::Qwen4ExpText;
     use crate::model::{BatchItem, CausalLm, LogitsWanted};
     use anyhow::Context;
@@ -811,31 +891,97 @@ pub fn run_synthetic_flash_next(
     let gemm_rate = backend.measure_bf16_gemm_rate(8192, 10)?;
 
     let t0 = Instant::now();
-    let config = flash_next_config(BENCH_BF16_EXPERTS, BENCH_NGRAM_BASE);
-    let ck = crate::synthetic::checkpoint_from_config(&config, opts.seed)?;
+    let synthetic = match opts.quant {
+        Some(f) => Some(SyntheticExperts::new(
+            f,
+            default_down_format(f, MOE_INTERMEDIATE)?,
+            opts.seed,
+        )?),
+        None => None,
+    };
+    let experts_per_layer = if synthetic.is_some() {
+        FLASH_NEXT_EXPERTS
+    } else {
+        BENCH_BF16_EXPERTS
+    };
+    let config = flash_next_config(experts_per_layer, BENCH_NGRAM_BASE);
+    // The quantized bench builds the routed experts itself: their BF16 tensors are left out.
+    let ck = crate::synthetic::checkpoint_from_config_keeping(&config, opts.seed, |name| {
+        synthetic.is_none() || !name.contains(".mlp.experts.")
+    })?;
     let c = ck.config.clone();
     let f = c.qwen4_exp()?;
-    let mut model = Qwen4ExpText::load(backend.clone(), &ck)
-        .context("building the synthetic Flash-Next model on the GPU")?;
-    backend.synchronize()?;
-    let load_s = t0.elapsed().as_secs_f64();
-    let ledger = backend.ledger();
-
     let (h, v, layers) = (c.hidden_size, c.vocab_size, c.num_hidden_layers);
     let (e, k, inter) = (
         f.moe.num_experts,
         f.moe.num_experts_per_tok,
         f.moe.moe_intermediate_size,
     );
-    let expert_bytes = (3 * inter * h * 2) as u64;
-    let embed_bytes = (v * h * 2) as u64;
+    anyhow::ensure!(
+        (h, inter) == (MOE_HIDDEN, MOE_INTERMEDIATE),
+        "the bench's expert shape is [{MOE_INTERMEDIATE}, {MOE_HIDDEN}]; the config has [{inter}, {h}]"
+    );
+    let expert_bytes = match &synthetic {
+        Some(s) => s.expert_bytes(),
+        None => (3 * inter * h * 2) as u64,
+    };
     let all_expert_bytes = (layers * e) as u64 * expert_bytes;
+    // Refused before loading when the experts alone cannot fit what the card (or the budget)
+    // has: the dense BF16 weights (~8.6 GB), KV and workspace come on top.
+    let dense_estimate: u64 = crate::synthetic::tensors(&c)?
+        .iter()
+        .filter(|(name, _)| !name.contains(".mlp.experts."))
+        .map(|(_, shape)| shape.iter().product::<usize>() as u64 * 2)
+        .sum();
+    let room = opts.vram_budget.unwrap_or(info.total_memory);
+    let reserve = 4u64 << 30;
+    if all_expert_bytes + dense_estimate + reserve > room {
+        anyhow::bail!(
+            "Flash-Next with every routed expert on the GPU needs {} of experts + {} of dense weights + {} of KV and \
+             workspace = {}, and this card offers {} ({}); use a larger card, or `bench hybrid` to keep the experts in RAM",
+            super::bench::gib(all_expert_bytes),
+            super::bench::gib(dense_estimate),
+            super::bench::gib(reserve),
+            super::bench::gib(all_expert_bytes + dense_estimate + reserve),
+            super::bench::gib(room),
+            if opts.vram_budget.is_some() { "--vram-budget" } else { "its memory" }
+        );
+    }
+    let mut model = match &synthetic {
+        None => Qwen4ExpText::load(backend.clone(), &ck),
+        Some(s) => {
+            let t_load = Instant::now();
+            let mut loader = |b: &CudaBackend,
+                              layer: usize,
+                              _prefix: &str|
+             -> anyhow::Result<Box<dyn RoutedExperts<CudaBackend>>> {
+                let experts = s.upload(b, layer * e, e)?;
+                if (layer + 1).is_multiple_of(8) || layer + 1 == layers {
+                    eprintln!(
+                        "routed experts: {} of {layers} layers on the GPU ({} in {:.1} s)",
+                        layer + 1,
+                        super::bench::gib((layer as u64 + 1) * e as u64 * expert_bytes),
+                        t_load.elapsed().as_secs_f64()
+                    );
+                }
+                Ok(Box::new(BackendExperts { experts }))
+            };
+            Qwen4ExpText::load_with_experts(backend.clone(), &ck, Some(&mut loader))
+        }
+    }
+    .context("building the synthetic Flash-Next model on the GPU")?;
+    backend.synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let ledger = backend.ledger();
+
+    let embed_bytes = (v * h * 2) as u64;
     let dense_bytes = ledger.weights - embed_bytes - all_expert_bytes;
     // Per decode token: every dense weight but the embedding table, and k experts per layer.
     let active_bytes = dense_bytes + (layers * k) as u64 * expert_bytes;
     let head_params = (v * h) as f64;
-    let matmul_params = active_bytes as f64 / 2.0 - head_params;
-
+    // FLOPs: dense weights at 2 bytes a parameter, and k experts' parameters per layer.
+    let matmul_params =
+        (dense_bytes as f64 / 2.0 - head_params) + (layers * k * 3 * inter * h) as f64;
     let mut rng = opts.seed | 1;
     let mut token = || {
         rng ^= rng << 13;
@@ -896,8 +1042,14 @@ pub fn run_synthetic_flash_next(
     let prefill_tok_s = n / prefill_s;
 
     let mut next = super::bench::argmax(&logits[0]);
+    let launches_before = backend.launches();
     let (mut step_s, decode_total_s) =
         super::bench::greedy_steps(&mut model, seq, &mut next, opts.decode_steps)?;
+    let launches_per_token =
+        (backend.launches() - launches_before) as f64 / opts.decode_steps.max(1) as f64;
+    let graphs_default = backend.cuda_graphs();
+    let profiled_steps =
+        super::bench::profile_decode(&backend, &mut model, seq, &mut next, graphs_default)?;
     let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
     step_s.sort_by(|a, b| a.total_cmp(b));
     let median_step = step_s.get(step_s.len() / 2).copied().unwrap_or(0.0);
@@ -918,24 +1070,50 @@ pub fn run_synthetic_flash_next(
     let roof_with_state = copy_bw / (active_bytes + kv_bytes + state_bytes) as f64;
     drop(model);
     drop(ck);
-    let ops = flash_next_op_timings(&backend, opts.context, BENCH_BF16_EXPERTS)?;
+    // The op timings' experts: one layer's worth in the bench's format.
+    let op_experts = match &synthetic {
+        Some(s) => s.upload(&backend, 0, e)?,
+        None => bf16_bench_experts(&backend, e)?,
+    };
+    let ops = flash_next_op_timings(&backend, opts.context, &op_experts, expert_bytes as f64)?;
+    drop(op_experts);
+    let weights = match &synthetic {
+        Some(s) => format!(
+            "routed experts {} (down {}), everything else bf16",
+            s.gate_up_format.name(),
+            s.down_format.name()
+        ),
+        None => "bf16".to_string(),
+    };
+    let shape_note = match &synthetic {
+        Some(_) => serde_json::json!({
+            "routed_experts_per_layer": e,
+            "note": format!(
+                "every routed expert of the real model on the GPU, {SYNTHETIC_EXPERT_PAYLOADS} distinct random payloads \
+                 uploaded into each expert's own allocation (the bytes read per token are the real ones). The n-gram \
+                 table (read on the host) has base {BENCH_NGRAM_BASE} instead of ~20M rows per head; its per-token \
+                 cost (16 rows) is the same."
+            ),
+        }),
+        None => serde_json::json!({
+            "routed_experts_per_layer": e,
+            "real_routed_experts_per_layer": FLASH_NEXT_EXPERTS,
+            "note": format!(
+                "BF16 with all {FLASH_NEXT_EXPERTS} experts would be ~250 GB; this run keeps {e} experts per layer and routes top-{k} over them, \
+                 so the active bytes and FLOPs per token equal the real model's (same expert shape, same top-k); only the \
+                 resident expert bytes are 1/{} of the real ones. The n-gram table (read on the host) has base {} instead of \
+                 ~20M rows per head; its per-token cost (16 rows) is the same.",
+                FLASH_NEXT_EXPERTS / e.max(1),
+                BENCH_NGRAM_BASE
+            ),
+        }),
+    };
 
     Ok(serde_json::json!({
         "benchmark": "synthetic",
         "shape": opts.shape,
-        "weights": "bf16",
-        "reduced_shape": {
-            "routed_experts_per_layer": e,
-            "real_routed_experts_per_layer": 512,
-            "note": format!(
-                "BF16 with all 512 experts would be ~250 GB; this run keeps {e} experts per layer and routes top-{k} over them, \
-                 so the active bytes and FLOPs per token equal the real model's (same expert shape, same top-k); only the \
-                 resident expert bytes are 1/{} of the real ones. The n-gram table (read on the host) has base {} instead of \
-                 ~20M rows per head; its per-token cost (16 rows) is the same.",
-                512 / e.max(1),
-                BENCH_NGRAM_BASE
-            ),
-        },
+        "weights": weights,
+        "shape_note": shape_note,
         "experts_on_gpu": "all",
         "exact_math": backend.exact_math(),
         "machine": {
@@ -975,8 +1153,10 @@ pub fn run_synthetic_flash_next(
             "steps": opts.decode_steps,
             "tokens_per_s": decode_tok_s,
             "median_step_ms": median_step * 1e3,
+            "launches_per_token": launches_per_token,
+            "profiled_steps": profiled_steps,
             "active_weight_bytes_per_token": active_bytes,
-            "active_weight_bytes_note": "dense weights except the embedding table, plus top-k routed experts per layer (BF16)",
+            "active_weight_bytes_note": "dense weights except the embedding table, plus top-k routed experts per layer, as stored",
             "kv_index_and_state_bytes_per_token": kv_bytes + state_bytes,
             "roofline_tokens_per_s": roof_tok_s,
             "bandwidth_roofline_ratio": decode_tok_s / roof_tok_s,

@@ -606,6 +606,34 @@ fn grid_1d(n: usize) -> (u32, u32, u32) {
     (ceil_div(n, 256).clamp(1, 65535 * 4) as u32, 1, 1)
 }
 
+/// Random valid blocks of `format` for a `[rows, cols]` matrix (generated in parallel from
+/// `seed`) and the multiplier that scales them to an RMS of 0.01, like the synthetic BF16
+/// weights (measured on the first row): the weights of synthetic quantized benchmarks.
+pub(crate) fn synthetic_quant_blocks(
+    format: RowFormat,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<(Vec<u8>, f32)> {
+    use rayon::prelude::*;
+    let blocks_total = rows * cols / format.block_len();
+    let parts = 64usize.min(blocks_total.max(1));
+    let per = blocks_total.div_ceil(parts);
+    let chunks: Vec<Vec<u8>> = (0..parts)
+        .into_par_iter()
+        .map(|p| {
+            let n = per.min(blocks_total.saturating_sub(p * per));
+            super::cpu::experts::random_blocks(format, n, seed ^ (p as u64 + 1))
+        })
+        .collect();
+    let blocks = chunks.concat();
+    let row_bytes = format.row_bytes(cols)?;
+    let sample = super::dequantize_matrix(format, 1, cols, &blocks[..row_bytes], 1.0)?;
+    let rms = (sample.iter().map(|v| v * v).sum::<f32>() / cols as f32).sqrt();
+    let multiplier = if rms > 0.0 { 0.01 / rms } else { 1.0 };
+    Ok((blocks, multiplier))
+}
+
 /// Whether `CAPY_EXACT_MATH=1` asks for exact (f32-activation) math.
 pub fn exact_math_requested() -> bool {
     std::env::var("CAPY_EXACT_MATH").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
@@ -840,27 +868,11 @@ impl CudaBackend {
     }
 
     fn synthetic_quant_matrix(&self, format: RowFormat, t: &HostTensor) -> Result<CudaMatrix> {
-        use rayon::prelude::*;
         let (rows, cols) = (t.shape[0], t.shape[1]);
-        let blocks_total = rows * cols / format.block_len();
         let seed = t.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
         });
-        let parts = 64usize.min(blocks_total.max(1));
-        let per = blocks_total.div_ceil(parts);
-        let chunks: Vec<Vec<u8>> = (0..parts)
-            .into_par_iter()
-            .map(|p| {
-                let n = per.min(blocks_total.saturating_sub(p * per));
-                super::cpu::experts::random_blocks(format, n, seed ^ (p as u64 + 1))
-            })
-            .collect();
-        let blocks = chunks.concat();
-        // Scale to an RMS of 0.01 (measured on the first row).
-        let row_bytes = format.row_bytes(cols)?;
-        let sample = super::dequantize_matrix(format, 1, cols, &blocks[..row_bytes], 1.0)?;
-        let rms = (sample.iter().map(|v| v * v).sum::<f32>() / cols as f32).sqrt();
-        let multiplier = if rms > 0.0 { 0.01 / rms } else { 1.0 };
+        let (blocks, multiplier) = synthetic_quant_blocks(format, rows, cols, seed)?;
         self.quant_matrix(format, rows, cols, &blocks, multiplier)
     }
 
