@@ -35,6 +35,17 @@ ncu_decode_profile() {
   python3 tools/gpu_box/ncu_summary.py "$LOGS/$name.txt" 2 > "$OUT/$name.json"
 }
 
+# One whole prefill (the bench's context) under ncu, summed per kernel name into
+# $OUT/<name>.json: `ncu_prefill_profile NAME ARGS...` profiles `bench gpu ARGS`.
+ncu_prefill_profile() {
+  local name=$1
+  shift
+  CAPY_PROFILE_PREFILL=1 step "$name" 400 ncu --clock-control none --cache-control none \
+    --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \
+    .gpu/capy-flash bench --out "$LOGS/$name-bench.json" gpu "$@" --decode-tokens 2
+  python3 tools/gpu_box/ncu_summary.py "$LOGS/$name.txt" 1 name > "$OUT/$name.json"
+}
+
 finish() {
   ( cd "$LOGS" && tar czf "$OUT/logs.tgz" . )
 }

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Sums an ncu CSV (--metrics gpu__time_duration.sum --csv) by kernel name and grid: launches,
 total and mean microseconds, share of the profiled time. Usage: ncu_summary.py FILE.csv STEPS
-(STEPS: decode steps the profile bracketed, to report per-step figures). Prints JSON."""
+(STEPS: decode steps the profile bracketed, to report per-step figures; 1 for a prefill).
+With a third argument `name`, kernels are summed by name alone, not by name and grid (a
+prefill launches the same kernel at many grid sizes). Prints JSON."""
 import csv
 import json
 import sys
 from collections import defaultdict
 
 
-def main(path, steps):
+def main(path, steps, by_name=False):
     rows = []
     with open(path, newline="") as f:
         lines = [l for l in f if l.startswith('"')]
@@ -19,7 +21,7 @@ def main(path, steps):
         rows.append((r["Kernel Name"], r["Grid Size"], r["Block Size"], ns))
     by = defaultdict(lambda: [0, 0.0])
     for name, grid, block, ns in rows:
-        key = f"{name} grid{grid} block{block}"
+        key = name if by_name else f"{name} grid{grid} block{block}"
         by[key][0] += 1
         by[key][1] += ns
     total = sum(v[1] for v in by.values())
@@ -44,4 +46,5 @@ def main(path, steps):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+         len(sys.argv) > 3 and sys.argv[3] == "name")

@@ -491,6 +491,33 @@ pub(crate) fn profile_decode(
     Ok(steps)
 }
 
+/// `CAPY_PROFILE_PREFILL=1`: drops `seq` and prefills `prompt` once more into a new sequence
+/// between cuProfilerStart and cuProfilerStop, so that `ncu --profile-from-start off` sees
+/// one whole prefill's kernels (the decode profile's counterpart). Returns whether it ran.
+pub(crate) fn profile_prefill(
+    backend: &CudaBackend,
+    model: &mut dyn CausalLm,
+    seq: crate::model::SeqId,
+    prompt: &[u32],
+) -> Result<bool> {
+    match std::env::var("CAPY_PROFILE_PREFILL").as_deref() {
+        Ok("1") => {}
+        Ok("0") | Err(_) => return Ok(false),
+        Ok(other) => anyhow::bail!("CAPY_PROFILE_PREFILL must be 0 or 1, found {other:?}"),
+    }
+    model.drop_sequence(seq);
+    let s = model.new_sequence();
+    backend.synchronize()?;
+    // SAFETY: no arguments; the profiler API only marks the capture range.
+    unsafe { drv_sys::cuProfilerStart() }.result()?;
+    let run = timed_prefill(model, s, prompt);
+    backend.synchronize()?;
+    // SAFETY: as above.
+    unsafe { drv_sys::cuProfilerStop() }.result()?;
+    model.drop_sequence(s);
+    run.map(|_| true)
+}
+
 pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
@@ -660,6 +687,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let roof_with_state = copy_bw / (weight_bytes_per_token + kv_bytes + state_bytes) as f64;
 
     let profiled_steps = profile_decode(&backend, &mut model, seq, &mut next, graphs_default)?;
+    let profiled_prefill = profile_prefill(&backend, &mut model, seq, &prompt)?;
     drop(model);
     let ops = op_timings(&backend, &c, opts.context, opts.quant)?;
     // Per-step time beyond streaming the weights at the measured bandwidth, spread over the
@@ -751,6 +779,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "graph_flush_ms_per_token": (graphs_after.flush_ns - graphs_before.flush_ns) as f64 / 1e6 / opts.decode_steps.max(1) as f64,
             "graph_last_update_refusal": graphs_after.last_update_refusal,
             "profiled_steps": profiled_steps,
+            "profiled_prefill": profiled_prefill,
             "peer_llama_cpp_q4_k_tokens_per_s": 86.7,
             "ratio_to_peer_llama_cpp_q4_k": decode_tok_s / 86.7,
         },

@@ -1050,6 +1050,7 @@ pub fn run_synthetic_flash_next(
     let graphs_default = backend.cuda_graphs();
     let profiled_steps =
         super::bench::profile_decode(&backend, &mut model, seq, &mut next, graphs_default)?;
+    let profiled_prefill = super::bench::profile_prefill(&backend, &mut model, seq, &prompt)?;
     let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
     step_s.sort_by(|a, b| a.total_cmp(b));
     let median_step = step_s.get(step_s.len() / 2).copied().unwrap_or(0.0);
@@ -1155,6 +1156,7 @@ pub fn run_synthetic_flash_next(
             "median_step_ms": median_step * 1e3,
             "launches_per_token": launches_per_token,
             "profiled_steps": profiled_steps,
+            "profiled_prefill": profiled_prefill,
             "active_weight_bytes_per_token": active_bytes,
             "active_weight_bytes_note": "dense weights except the embedding table, plus top-k routed experts per layer, as stored",
             "kv_index_and_state_bytes_per_token": kv_bytes + state_bytes,
