@@ -265,3 +265,14 @@ extern "C" __global__ void moe_combine(const float* ys, const u32* slots, const 
         out[i] = acc;
     }
 }
+
+// out [n, cols] = x · sigmoid(logits[r, col]) per row r: the shared expert's gate, one logit per
+// row (the router's last column), read on the device instead of broadcast from the host.
+extern "C" __global__ void moe_shared_gate(const float* x, const float* logits, float* out, u64 n, int cols,
+                                           int logit_stride, int col) { KERNEL_START();
+    const u64 total = n * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / cols;
+        out[i] = x[i] * sigmoid_f(logits[r * logit_stride + col]);
+    }
+}

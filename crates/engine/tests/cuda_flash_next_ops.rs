@@ -287,6 +287,26 @@ fn qsa_within_budget_is_dense_attention() {
 }
 
 #[test]
+fn shared_expert_gate_reads_its_logit_column_like_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(11);
+    // The router's logits: 512 experts ‖ the shared gate (the last column); one decode row,
+    // a prefill batch and a narrow odd case.
+    for (n, h, logit_cols) in [(1usize, 2560usize, 513usize), (7, 2560, 513), (3, 100, 9)] {
+        let (xc, xg) = pair(&g, n, h, &r.vec(n * h, 2.0));
+        let (lc, lg) = pair(&g, n, logit_cols, &r.vec(n * logit_cols, 6.0));
+        for col in [logit_cols - 1, 0] {
+            assert_close(
+                &g.to_host(&g.sigmoid_gate_rows(&xg, &lg, col)),
+                &c.sigmoid_gate_rows(&xc, &lc, col).data,
+                &format!("sigmoid_gate_rows {n}x{h}, column {col} of {logit_cols}"),
+            );
+        }
+    }
+}
+
+#[test]
 fn moe_routing_matches_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();

@@ -238,6 +238,18 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// `x · sigmoid(gate)`.
     fn sigmoid_gate(&self, x: &Self::Act, gate: &Self::Act) -> Self::Act;
+    /// `x[r, ·] · sigmoid(logits[r, col])` for every row `r`: one gate logit per row over the
+    /// whole row (the MoE shared expert's gate). The default broadcasts the column on the host;
+    /// a backend that keeps work queued overrides it so that nothing waits for the device.
+    fn sigmoid_gate_rows(&self, x: &Self::Act, logits: &Self::Act, col: usize) -> Self::Act {
+        let (rows, cols) = self.shape(x);
+        let logit = self.to_host(&self.cols(logits, col..col + 1));
+        let gate: Vec<f32> = logit
+            .iter()
+            .flat_map(|&g| std::iter::repeat_n(g, cols))
+            .collect();
+        self.sigmoid_gate(x, &self.from_host(rows, cols, &gate))
+    }
     /// Rotates the first `rotary_dim` dims of every head in place (rotate-half convention);
     /// row `r` is at position `positions[r]`.
     fn rope(

@@ -88,6 +88,7 @@ pub(super) fn kernel_files() -> Vec<(&'static str, &'static str, Vec<String>)> {
                 "moe_swiglu_halves",
                 "moe_swiglu_pairs",
                 "moe_combine",
+                "moe_shared_gate",
             ]),
         ),
     ]
@@ -238,6 +239,28 @@ impl CudaBackend {
                     out.row_ptr(rows_done), h as i32, streams as i32);
                 at += count;
             }
+        }
+        out
+    }
+
+    pub(super) fn fn_sigmoid_gate_rows(
+        &self,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        col: usize,
+    ) -> CudaTensor {
+        assert!(
+            logits.rows == x.rows && col < logits.cols,
+            "sigmoid_gate_rows: x has {} rows, the logits [{}, {}] and column {col} is asked for",
+            x.rows,
+            logits.rows,
+            logits.cols
+        );
+        let out = self.alloc_act(x.rows, x.cols, x.rows);
+        let n = x.rows * x.cols;
+        if n > 0 {
+            launch!(self, "moe_shared_gate", grid_1d(n), (256, 1, 1), 0;
+                x.ptr(), logits.ptr(), out.ptr(), x.rows as u64, x.cols as i32, logits.cols as i32, col as i32);
         }
         out
     }

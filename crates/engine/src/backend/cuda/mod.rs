@@ -2360,6 +2360,10 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn sigmoid_gate_rows(&self, x: &CudaTensor, logits: &CudaTensor, col: usize) -> CudaTensor {
+        self.fn_sigmoid_gate_rows(x, logits, col)
+    }
+
     // --- Flash-Next ops: kernels in kernels/{hyper,qsa,moe}.cu, driven from flash_next.rs ---
     fn scale_cols(&self, x: &CudaTensor, scale: &CudaTensor) -> CudaTensor {
         self.fn_scale_cols(x, scale)

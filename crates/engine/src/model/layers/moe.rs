@@ -266,27 +266,19 @@ impl<B: Backend> SparseMoe<B> {
     }
 
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
-        let (n, hidden) = b.shape(x);
         let logits = b.linear(x, &self.router);
         let routing = b.moe_route(
             &b.cols(&logits, 0..self.num_experts),
             self.top_k,
             self.normalize,
         );
-        // The shared expert's gate is one logit per row, broadcast over the hidden size on the
-        // host (no backend op broadcasts a column). Read now: routing has just waited for the
-        // device, so this waits for the column's copy only, not for queued expert work.
-        let gate_logit = b.to_host(&b.cols(&logits, self.num_experts..self.num_experts + 1));
-        let gate: Vec<f32> = gate_logit
-            .iter()
-            .flat_map(|&g| std::iter::repeat_n(g, hidden))
-            .collect();
         // The shared expert is queued while the routed experts compute (the device runs it
         // while host experts run on the CPU) and added after them: `routed + shared`, as ever.
+        // Its gate is one logit per row, the router's last column.
         let mut shared = None;
         let mut out = self.experts.forward_overlapped(b, x, &routing, &mut || {
             shared =
-                Some(b.sigmoid_gate(&self.shared.forward(b, x), &b.from_host(n, hidden, &gate)));
+                Some(b.sigmoid_gate_rows(&self.shared.forward(b, x), &logits, self.num_experts));
         });
         let shared = shared.expect("forward_overlapped runs the device work it is given");
         b.add_assign(&mut out, &shared);
