@@ -1361,6 +1361,9 @@ mod x86 {
         out
     }
 
+    /// Exact IQ3_S on AVX-512 with VBMI: the grid decoded as in [`iq3s_fast_vbmi`], each signed
+    /// grid byte looked up as an f32 (see below); a block's products go to up to four partial
+    /// sums per activation ([`exact_chains`]: two chains left the FMA latency exposed).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
     unsafe fn iq3s_exact_vbmi<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
         // Entry m: m (the grid magnitudes are 1..15), entry 16 + m: -m.
@@ -1381,7 +1384,7 @@ mod x86 {
             let qs = _mm512_loadu_si512(p.add(2) as *const _);
             let region = iq3s_regions(qs, p);
             let signs = _mm512_cvtepu32_epi64(_mm256_loadu_si256(p.add(74) as *const __m256i));
-            let mut tmp = [[_mm512_setzero_ps(); 2]; N];
+            let mut tmp = [[_mm512_setzero_ps(); 4]; N];
             let grid = [
                 iq3s_grid_pair_vbmi(qs, region, 0),
                 iq3s_grid_pair_vbmi(qs, region, 1),
@@ -1404,14 +1407,16 @@ mod x86 {
                 for t in 0..N {
                     let xp = a[t].f.add(256 * blk + 64 * j);
                     for (b, fb) in f.iter().enumerate() {
-                        tmp[t][b % 2] =
-                            _mm512_fmadd_ps(*fb, _mm512_loadu_ps(xp.add(16 * b)), tmp[t][b % 2]);
+                        let ch = &mut tmp[t][b % exact_chains(N)];
+                        *ch = _mm512_fmadd_ps(*fb, _mm512_loadu_ps(xp.add(16 * b)), *ch);
                     }
                 }
             }
             let db = iq3s_scales_vbmi(p, f16(p));
             for t in 0..N {
-                acc[t] = _mm512_fmadd_ps(_mm512_add_ps(tmp[t][0], tmp[t][1]), db, acc[t]);
+                let [t0, t1, t2, t3] = tmp[t];
+                let sum = _mm512_add_ps(_mm512_add_ps(t0, t1), _mm512_add_ps(t2, t3));
+                acc[t] = _mm512_fmadd_ps(sum, db, acc[t]);
             }
         }
         let mut out = [0f32; N];
@@ -1423,75 +1428,93 @@ mod x86 {
 
     // ---- Q2_0 ---------------------------------------------------------------------------
 
+    /// `(i & 3) - 1` for a 4-bit `vpermps` index `i`: a Q2_0 code in bits 0–1 looks up its
+    /// value whatever the next code in bits 2–3 holds (the AVX2 permute reads 3 bits, the
+    /// first 8 entries).
+    const Q2_0_VALUES: [f32; 16] = [
+        -1.0, 0.0, 1.0, 2.0, -1.0, 0.0, 1.0, 2.0, -1.0, 0.0, 1.0, 2.0, -1.0, 0.0, 1.0, 2.0,
+    ];
+
+    /// Accumulator chains per activation of the exact kernels that sum a block's products
+    /// straight into the accumulators: four hide the FMA latency for one or two
+    /// activations, two leave registers for four.
+    const fn exact_chains(n: usize) -> usize {
+        if n <= 2 {
+            4
+        } else {
+            2
+        }
+    }
+
+    /// Exact Q2_0 on AVX2: each half block's 8 code bytes widened to i32 lanes once; shifting
+    /// them by `2j` puts code `j` of every byte in the index bits of `vpermps`, whose table is
+    /// [`Q2_0_VALUES`] times the block scale: the lookup yields the dequantised weight
+    /// `(c - 1) · d` itself (the scalar reference's product), so 8 weights cost a shift, a
+    /// permute and an FMA (was: a widening, a conversion and a subtraction per 8, a scale
+    /// FMA per block).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q2_0_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
-        let three = _mm_set1_epi8(3);
-        let one = _mm256_set1_ps(1.0);
-        let mut acc = [_mm256_setzero_ps(); N];
+        let values = _mm256_loadu_ps(Q2_0_VALUES.as_ptr());
+        let chains = exact_chains(N);
+        let mut acc = [[_mm256_setzero_ps(); 4]; N];
         for blk in 0..k / 64 {
             let p = row.add(18 * blk);
-            let d = _mm256_set1_ps(f16(p));
-            let q = _mm_loadu_si128(p.add(2) as *const __m128i);
-            let codes = [
-                _mm_and_si128(q, three),
-                _mm_and_si128(_mm_srli_epi16::<2>(q), three),
-                _mm_and_si128(_mm_srli_epi16::<4>(q), three),
-                _mm_and_si128(_mm_srli_epi16::<6>(q), three),
-            ];
-            let mut tmp = [_mm256_setzero_ps(); N];
-            for (j, c) in codes.into_iter().enumerate() {
-                let w0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), one);
-                let w1 = _mm256_sub_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(c))),
-                    one,
-                );
+            let table = _mm256_mul_ps(values, _mm256_set1_ps(f16(p)));
+            for h in 0..2 {
+                let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(2 + 8 * h) as *const __m128i));
+                let w = [
+                    _mm256_permutevar8x32_ps(table, c),
+                    _mm256_permutevar8x32_ps(table, _mm256_srli_epi32::<2>(c)),
+                    _mm256_permutevar8x32_ps(table, _mm256_srli_epi32::<4>(c)),
+                    _mm256_permutevar8x32_ps(table, _mm256_srli_epi32::<6>(c)),
+                ];
                 for t in 0..N {
-                    let xp = a[t].f.add(64 * blk + 16 * j);
-                    tmp[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), tmp[t]);
-                    tmp[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(8)), tmp[t]);
+                    let xp = a[t].f.add(64 * blk + 8 * h);
+                    for (j, wj) in w.iter().enumerate() {
+                        let ch = &mut acc[t][j % chains];
+                        *ch = _mm256_fmadd_ps(*wj, _mm256_loadu_ps(xp.add(16 * j)), *ch);
+                    }
                 }
-            }
-            for t in 0..N {
-                acc[t] = _mm256_fmadd_ps(tmp[t], d, acc[t]);
             }
         }
         let mut out = [0f32; N];
         for t in 0..N {
-            out[t] = hsum256(acc[t]);
+            let [a0, a1, a2, a3] = acc[t];
+            out[t] = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
         }
         out
     }
 
+    /// Exact Q2_0 on AVX-512: [`q2_0_exact_avx2`] with the block's 16 code bytes in 16 lanes
+    /// (`vpermps` reads 4 index bits: all of [`Q2_0_VALUES`]).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     unsafe fn q2_0_exact_avx512<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
-        let three = _mm_set1_epi8(3);
-        let one = _mm512_set1_ps(1.0);
-        let mut acc = [_mm512_setzero_ps(); N];
+        let values = _mm512_loadu_ps(Q2_0_VALUES.as_ptr());
+        let chains = exact_chains(N);
+        let mut acc = [[_mm512_setzero_ps(); 4]; N];
         for blk in 0..k / 64 {
             let p = row.add(18 * blk);
-            let d = _mm512_set1_ps(f16(p));
-            let q = _mm_loadu_si128(p.add(2) as *const __m128i);
-            let codes = [
-                _mm_and_si128(q, three),
-                _mm_and_si128(_mm_srli_epi16::<2>(q), three),
-                _mm_and_si128(_mm_srli_epi16::<4>(q), three),
-                _mm_and_si128(_mm_srli_epi16::<6>(q), three),
+            let table = _mm512_mul_ps(values, _mm512_set1_ps(f16(p)));
+            let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(2) as *const __m128i));
+            let w = [
+                _mm512_permutexvar_ps(c, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<2>(c), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(c), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<6>(c), table),
             ];
-            let mut tmp = [_mm512_setzero_ps(); N];
-            for (j, c) in codes.into_iter().enumerate() {
-                let w = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), one);
-                for t in 0..N {
-                    tmp[t] =
-                        _mm512_fmadd_ps(w, _mm512_loadu_ps(a[t].f.add(64 * blk + 16 * j)), tmp[t]);
-                }
-            }
             for t in 0..N {
-                acc[t] = _mm512_fmadd_ps(tmp[t], d, acc[t]);
+                let xp = a[t].f.add(64 * blk);
+                for (j, wj) in w.iter().enumerate() {
+                    let ch = &mut acc[t][j % chains];
+                    *ch = _mm512_fmadd_ps(*wj, _mm512_loadu_ps(xp.add(16 * j)), *ch);
+                }
             }
         }
         let mut out = [0f32; N];
         for t in 0..N {
-            out[t] = _mm512_reduce_add_ps(acc[t]);
+            let [a0, a1, a2, a3] = acc[t];
+            out[t] =
+                _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
         }
         out
     }
