@@ -629,41 +629,84 @@ mod x86 {
         _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7))
     }
 
-    /// Byte offsets `index << SHIFT` of the 8 grid entries of IQ3_S sub-block `sub` (index:
-    /// the 9-bit `qs | qh bit << 8`), formed in one vector and read back through memory.
-    /// Assembling each index in scalar code costs about six ops per entry, which made the
-    /// index arithmetic, not the loads, the bottleneck of the scalar-load kernels.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn iq3s_offsets_avx2<const SHIFT: i32>(p: *const u8, sub: usize) -> Offsets {
-        let low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(2 + 8 * sub) as *const __m128i));
-        // qh bit j of entry j, moved to bit 8 + SHIFT.
-        let s = 8 + SHIFT;
-        let high = _mm256_and_si256(
-            _mm256_sllv_epi32(
-                _mm256_set1_epi32(*p.add(66 + sub) as i32),
-                _mm256_setr_epi32(s, s - 1, s - 2, s - 3, s - 4, s - 5, s - 6, s - 7),
-            ),
-            _mm256_set1_epi32(1 << s),
-        );
-        let mut off = Offsets([0u32; 8]);
-        _mm256_storeu_si256(
-            off.0.as_mut_ptr() as *mut __m256i,
-            _mm256_or_si256(_mm256_slli_epi32::<SHIFT>(low), high),
-        );
-        off
+    /// Offsets `index << SHIFT` of the 64 grid entries of an IQ3_S block (index: the 9-bit
+    /// `qs | qh bit << 8`) as u16, formed in four vectors and read back through memory by the
+    /// scalar grid loads. Per sub-block that is half the vector work of forming its 8 offsets
+    /// alone (assembling each index in scalar code cost about six ops per entry, which made
+    /// the index arithmetic, not the loads, the bottleneck of the scalar-load kernels).
+    struct BlockOffsets([u16; 64]);
+
+    impl BlockOffsets {
+        #[inline(always)]
+        unsafe fn new<const SHIFT: i32>(p: *const u8) -> BlockOffsets {
+            let mut off = BlockOffsets([0u16; 64]);
+            // Lane l of a vector of 16 entries tests bit l of their two qh bytes.
+            let bit = _mm256_setr_epi16(
+                1,
+                2,
+                4,
+                8,
+                16,
+                32,
+                64,
+                128,
+                256,
+                512,
+                1024,
+                2048,
+                4096,
+                8192,
+                16384,
+                i16::MIN,
+            );
+            let high = _mm256_set1_epi16(0x100 << SHIFT);
+            for i in 0..4 {
+                let low =
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(p.add(2 + 16 * i) as *const __m128i));
+                let qh = _mm256_set1_epi16((p.add(66 + 2 * i) as *const i16).read_unaligned());
+                let set = _mm256_cmpeq_epi16(_mm256_and_si256(qh, bit), bit);
+                _mm256_storeu_si256(
+                    off.0.as_mut_ptr().add(16 * i) as *mut __m256i,
+                    _mm256_or_si256(_mm256_slli_epi16::<SHIFT>(low), _mm256_and_si256(set, high)),
+                );
+            }
+            off
+        }
+
+        /// Entry `e`'s offset: a volatile load, because LLVM otherwise replaces the store and
+        /// loads with `vpextrw` (two ops each, on the vector ports the kernels need).
+        #[inline(always)]
+        fn get(&self, e: usize) -> usize {
+            // SAFETY: `e < 64` at every call site, within the array.
+            unsafe { std::ptr::read_volatile(self.0.as_ptr().add(e)) as usize }
+        }
     }
 
-    /// Grid offsets stored by [`iq3s_offsets_avx2`]. Read them with [`Offsets::get`]: a
-    /// volatile load, because LLVM otherwise replaces the store and loads with `vpextrd`
-    /// (two ops each, on the vector ports the kernels need).
-    struct Offsets([u32; 8]);
+    /// The 8 grid entries (4 magnitude bytes each) of sub-block `sub` from the block's offsets
+    /// (`SHIFT` 0: the offsets are indices of the u32 grid).
+    #[inline(always)]
+    unsafe fn iq3s_entries_avx2(off: &BlockOffsets, sub: usize) -> __m256i {
+        let g = |j: usize| *IQ3S_GRID.get_unchecked(off.get(8 * sub + j)) as i32;
+        _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7))
+    }
 
-    impl Offsets {
+    /// `v` stored for [`broadcast_lane`]: a sub-block's scale is then broadcast by a load
+    /// instead of a lane permute (port 5, which the grid assembly needs).
+    #[derive(Clone, Copy)]
+    struct Lanes([f32; 8]);
+
+    impl Lanes {
         #[inline(always)]
-        fn get(&self, j: usize) -> usize {
-            // SAFETY: `j < 8` at every call site, within the array.
-            unsafe { std::ptr::read_volatile(self.0.as_ptr().add(j)) as usize }
+        unsafe fn new(v: __m256) -> Lanes {
+            let mut l = Lanes([0f32; 8]);
+            _mm256_storeu_ps(l.0.as_mut_ptr(), v);
+            l
+        }
+
+        /// Lane `i` in every lane (volatile: LLVM otherwise permutes the register it keeps).
+        #[inline(always)]
+        unsafe fn broadcast(&self, i: usize) -> __m256 {
+            _mm256_set1_ps(std::ptr::read_volatile(self.0.as_ptr().add(i)))
         }
     }
 
@@ -1026,15 +1069,15 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
-            let db = iq3s_db_lanes_avx2(p, f16(p));
+            let db = Lanes::new(iq3s_db_lanes_avx2(p, f16(p)));
+            let off = BlockOffsets::new::<4>(p);
             for sub in 0..8 {
-                let off = iq3s_offsets_avx2::<4>(p, sub);
                 let sbits = _mm256_set1_epi32((p.add(74 + 4 * sub) as *const i32).read_unaligned());
                 let mut tmp = [_mm256_setzero_ps(); N];
                 for (q, &shift) in shifts.iter().enumerate() {
                     let mags = _mm256_loadu2_m128(
-                        grid.add(off.get(2 * q + 1)) as *const f32,
-                        grid.add(off.get(2 * q)) as *const f32,
+                        grid.add(off.get(8 * sub + 2 * q + 1)) as *const f32,
+                        grid.add(off.get(8 * sub + 2 * q)) as *const f32,
                     );
                     // Two ALU ops instead of a table load per 8 weights: the loads (grid
                     // offsets, grid entries, activations) are what limits this kernel.
@@ -1045,7 +1088,7 @@ mod x86 {
                         tmp[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp), tmp[t]);
                     }
                 }
-                let s = _mm256_permutevar8x32_ps(db, _mm256_set1_epi32(sub as i32));
+                let s = db.broadcast(sub);
                 for t in 0..N {
                     acc[t] = _mm256_fmadd_ps(tmp[t], s, acc[t]);
                 }
@@ -1158,6 +1201,10 @@ mod x86 {
         out
     }
 
+    /// Fast IQ3_S on AVX2: a block's 64 grid offsets formed at once ([`BlockOffsets`]), each
+    /// sub-block's 8 entries fetched with scalar loads (or one `vpgatherdd`: `GATHER`), the
+    /// weight signs applied to the int8 activations, `vpmaddubsw` + `vpmaddwd` for the
+    /// integer sums, and each sub-block's combined scale broadcast from memory.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn iq3s_fast_avx2<const N: usize, const GATHER: bool>(
         row: *const u8,
@@ -1165,32 +1212,40 @@ mod x86 {
         a: [P; N],
     ) -> [f32; N] {
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); N];
+        // Two accumulators per activation hide the FMA latency where registers allow.
+        let chains = if N <= 2 { 2 } else { 1 };
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for blk in 0..k / 256 {
             let p = row.add(110 * blk);
-            // Weight scale × activation scale for all 8 sub-blocks at once (lane = sub-block),
-            // each sub-block's broadcast by a lane permute.
+            // Weight scale × activation scale for all 8 sub-blocks at once (lane = sub-block).
             let db = iq3s_db_lanes_avx2(p, f16(p));
-            let mut scales = [_mm256_setzero_ps(); N];
+            let mut scales = [Lanes([0f32; 8]); N];
             for t in 0..N {
-                scales[t] = _mm256_mul_ps(db, _mm256_loadu_ps(a[t].s.add(8 * blk)));
+                scales[t] = Lanes::new(_mm256_mul_ps(db, _mm256_loadu_ps(a[t].s.add(8 * blk))));
             }
+            let off = if GATHER {
+                None
+            } else {
+                Some(BlockOffsets::new::<0>(p))
+            };
             for sub in 0..8 {
-                let mags = iq3s_mags_avx2::<GATHER>(p, sub);
+                let mags = match &off {
+                    None => iq3s_mags_avx2::<true>(p, sub),
+                    Some(off) => iq3s_entries_avx2(off, sub),
+                };
                 let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
-                let lane = _mm256_set1_epi32(sub as i32);
                 for t in 0..N {
                     let x = _mm256_loadu_si256(a[t].q.add(256 * blk + 32 * sub) as *const __m256i);
                     let xs = _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg);
                     let i = _mm256_madd_epi16(_mm256_maddubs_epi16(mags, xs), ones);
-                    let sc = _mm256_permutevar8x32_ps(scales[t], lane);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), sc, acc[t]);
+                    let ch = &mut acc[t][sub % chains];
+                    *ch = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), scales[t].broadcast(sub), *ch);
                 }
             }
         }
         let mut out = [0f32; N];
         for t in 0..N {
-            out[t] = hsum256(acc[t]);
+            out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
         }
         out
     }
