@@ -334,12 +334,16 @@ fn in_cache_gbps(p: &BenchParams, set: &ExpertSet, m: ExpertMatrix, k: usize, ro
     let mut rng = SplitMix(p.seed ^ 0xcace);
     let x: Vec<f32> = (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect();
     let sl = ActSpec::scales_len(k);
-    let (mut f, mut q, mut s, mut sums) =
-        (vec![0f32; k], vec![0i8; k], vec![0f32; sl], vec![0f32; sl]);
-    fused::prepare(&spec, &x, &mut f, &mut q, &mut s, &mut sums);
+    // The activation vectors on 64-byte boundaries, as `MoeScratch` lays them out.
+    let (mut f_buf, mut q_buf) = (vec![0f32; k + 16], vec![0i8; k + 64]);
+    let f_at = (f_buf.as_ptr() as usize).wrapping_neg() % 64 / 4;
+    let q_at = (q_buf.as_ptr() as usize).wrapping_neg() % 64;
+    let (f, q) = (&mut f_buf[f_at..f_at + k], &mut q_buf[q_at..q_at + k]);
+    let (mut s, mut sums) = (vec![0f32; sl], vec![0f32; sl]);
+    fused::prepare(&spec, &x, f, q, &mut s, &mut sums);
     let act = [fused::Act {
-        f: &f,
-        q: &q,
+        f,
+        q,
         s: &s,
         sums: &sums,
     }];

@@ -339,10 +339,15 @@ pub struct MoeScratch {
     blocks_done: Vec<AtomicUsize>,
 }
 
-/// Prepared activation vectors (see [`fused::prepare`]), `k` values each.
+/// Prepared activation vectors (see [`fused::prepare`]), `k` values each. Every vector starts
+/// on a 64-byte boundary (the buffers do, and the strides are whole cache lines), so the
+/// kernels' 32- and 64-byte activation loads never straddle two lines.
 struct ActBufs {
     k: usize,
     sl: usize,
+    /// Strides of `f` (f32 values) and `q` (bytes) between vectors.
+    f_stride: usize,
+    q_stride: usize,
     f: SharedBuf<f32>,
     q: SharedBuf<i8>,
     s: SharedBuf<f32>,
@@ -352,57 +357,76 @@ struct ActBufs {
 impl ActBufs {
     fn new(n: usize, k: usize) -> ActBufs {
         let sl = fused::ActSpec::scales_len(k);
+        let (f_stride, q_stride) = (k.next_multiple_of(16), k.next_multiple_of(64));
         ActBufs {
             k,
             sl,
-            f: SharedBuf::new(n * k),
-            q: SharedBuf::new(n * k),
+            f_stride,
+            q_stride,
+            f: SharedBuf::new(n * f_stride),
+            q: SharedBuf::new(n * q_stride),
             s: SharedBuf::new(n * sl),
             sums: SharedBuf::new(n * sl),
         }
     }
     /// SAFETY: no other live reference to vector `v`.
     unsafe fn prepare(&self, spec: &fused::ActSpec, v: usize, x: &[f32]) {
-        let (k, sl) = (self.k, self.sl);
+        let (k, sl, fs, qs) = (self.k, self.sl, self.f_stride, self.q_stride);
         fused::prepare(
             spec,
             x,
-            self.f.slice_mut(v * k..(v + 1) * k),
-            self.q.slice_mut(v * k..(v + 1) * k),
+            self.f.slice_mut(v * fs..v * fs + k),
+            self.q.slice_mut(v * qs..v * qs + k),
             self.s.slice_mut(v * sl..(v + 1) * sl),
             self.sums.slice_mut(v * sl..(v + 1) * sl),
         );
     }
     /// SAFETY: vector `v` is not being written.
     unsafe fn get(&self, v: usize) -> Act<'_> {
-        let (k, sl) = (self.k, self.sl);
+        let (k, sl, fs, qs) = (self.k, self.sl, self.f_stride, self.q_stride);
         Act {
-            f: self.f.slice(v * k..(v + 1) * k),
-            q: self.q.slice(v * k..(v + 1) * k),
+            f: self.f.slice(v * fs..v * fs + k),
+            q: self.q.slice(v * qs..v * qs + k),
             s: self.s.slice(v * sl..(v + 1) * sl),
             sums: self.sums.slice(v * sl..(v + 1) * sl),
         }
     }
 }
 
-/// A buffer written by disjoint ranges from several workers.
-struct SharedBuf<T>(UnsafeCell<Vec<T>>);
+/// A buffer written by disjoint ranges from several workers. Element 0 sits on a 64-byte
+/// boundary (the allocation has a cache line to spare).
+struct SharedBuf<T> {
+    data: UnsafeCell<Vec<T>>,
+    start: usize,
+}
 // SAFETY: workers write disjoint ranges (one task owns each range), and reads of a phase's
 // output happen only after `ExpertPool::run` has returned (a full barrier).
 unsafe impl<T: Send> Sync for SharedBuf<T> {}
 impl<T: Copy + Default> SharedBuf<T> {
     fn new(n: usize) -> Self {
-        SharedBuf(UnsafeCell::new(vec![T::default(); n]))
+        let size = std::mem::size_of::<T>();
+        assert!(
+            64 % size == 0,
+            "SharedBuf: element size {size} does not divide 64"
+        );
+        let data = vec![T::default(); n + 64 / size];
+        // The allocation is aligned to `size`, so the gap to the next line is whole elements;
+        // the Vec is never resized, so the offset stays valid.
+        let start = (data.as_ptr() as usize).wrapping_neg() % 64 / size;
+        SharedBuf {
+            data: UnsafeCell::new(data),
+            start,
+        }
     }
     #[allow(clippy::mut_from_ref)]
     /// SAFETY: the caller guarantees no other live reference overlaps `range`.
     unsafe fn slice_mut(&self, range: std::ops::Range<usize>) -> &mut [T] {
-        let v = &mut *self.0.get();
-        &mut v[range]
+        let v = &mut *self.data.get();
+        &mut v[self.start + range.start..self.start + range.end]
     }
     unsafe fn slice(&self, range: std::ops::Range<usize>) -> &[T] {
-        let v = &*self.0.get();
-        &v[range]
+        let v = &*self.data.get();
+        &v[self.start + range.start..self.start + range.end]
     }
 }
 
