@@ -1854,6 +1854,44 @@ mod tests {
         }
     }
 
+    /// The exact Q2_0 kernels (a table of the block's weights looked up per code) on rows of
+    /// one, three and ten blocks against the f64 dot of the dequantised rows, for 1, 2 and 4
+    /// activations (four and two partial sums per activation).
+    #[test]
+    fn q2_0_exact_matches_the_f64_dot_at_every_block_count() {
+        for k in [64, 192, 640] {
+            let rows = 3;
+            let rb = Q2_0.row_bytes(k).unwrap();
+            let bytes = crate::backend::cpu::experts::random_blocks(Q2_0, rows * k / 64, 13);
+            let mut rng = SplitMix(17);
+            for nacts in [1, 2, 4] {
+                let xs: Vec<Vec<f32>> = (0..nacts)
+                    .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
+                    .collect();
+                for isa in isas().into_iter().filter(|&i| i >= Isa::Avx2) {
+                    let spec = ActSpec::new(isa, MathPath::Exact, Q2_0, k);
+                    assert_eq!(spec.kind, Kind::Exact);
+                    let out = prepared_dots(&spec, &bytes, rb, &xs);
+                    let mut w = vec![0f32; k];
+                    for r in 0..rows {
+                        dequantize_row_scalar(Q2_0, &bytes[r * rb..(r + 1) * rb], &mut w);
+                        for (j, x) in xs.iter().enumerate() {
+                            let terms = w.iter().zip(x).map(|(p, q)| *p as f64 * *q as f64);
+                            let exact: f64 = terms.clone().sum();
+                            let mag: f64 = terms.map(f64::abs).sum();
+                            let got = out[r * nacts + j] as f64;
+                            assert!(
+                                (got - exact).abs() <= 1e-5 * mag + 1e-6,
+                                "k {k} {}: row {r} act {j}: {got} vs {exact}",
+                                isa.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Every fused kernel against the scalar reference, on random rows, for 1–7 activations.
     #[test]
     fn fused_kernels_match_the_scalar_reference() {

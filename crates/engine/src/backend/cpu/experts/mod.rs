@@ -795,6 +795,29 @@ mod tests {
     use super::*;
     use crate::quant::GgmlType;
 
+    /// Every prepared activation vector starts on a 64-byte boundary, whatever `k`, and the
+    /// vectors do not overlap.
+    #[test]
+    fn activation_vectors_start_on_cache_lines() {
+        for k in [64, 100, 640, 2560] {
+            let bufs = ActBufs::new(3, k);
+            let mut ends = (0usize, 0usize);
+            for v in 0..3 {
+                // SAFETY: nothing writes the buffers.
+                let act = unsafe { bufs.get(v) };
+                let (f, q) = (act.f.as_ptr() as usize, act.q.as_ptr() as usize);
+                assert_eq!(f % 64, 0, "k {k}: f32 vector {v} at {f:#x}");
+                assert_eq!(q % 64, 0, "k {k}: int8 vector {v} at {q:#x}");
+                assert_eq!((act.f.len(), act.q.len()), (k, k));
+                assert!(
+                    f >= ends.0 && q >= ends.1,
+                    "k {k}: vector {v} overlaps the previous one"
+                );
+                ends = (f + 4 * k, q + k);
+            }
+        }
+    }
+
     #[test]
     fn overlapping_gives_the_same_output_and_runs_first_once_on_the_caller() {
         let shape = ExpertShape {
