@@ -1309,23 +1309,35 @@ mod x86 {
     };
 
     /// Bytes `2·pair` and `2·pair + 1` of the grid entries of one IQ3_S block (64 entries,
-    /// entry `e` in byte `e`), unsigned. The 9-bit index is `qs[e] | qh bit e << 8`: bits 0–6
-    /// pick a byte of a 128-byte table pair, bit 7 and the qh bit pick the pair. `region[r]`
-    /// holds the entries of pair `r`; a chain of masked `vpermi2b` (which keep the index byte
-    /// where the mask is clear) decodes each region in place, so no blends are needed; the
-    /// nibbles of [`IQ3S_GRID_NIBBLE_PAIRS`] are then split with a shift and two ANDs.
+    /// entry `e` in byte `e`) as one nibble pair per byte (see [`IQ3S_GRID_NIBBLE_PAIRS`]).
+    /// The 9-bit index is `qs[e] | qh bit e << 8`: bits 0–6 pick a byte of a 128-byte table
+    /// pair, bit 7 and the qh bit pick the pair. `region[r]` holds the entries of pair `r`; a
+    /// chain of masked `vpermi2b` (which keep the index byte where the mask is clear) decodes
+    /// each region in place, so no blends are needed.
     #[inline(always)]
-    unsafe fn iq3s_grid_pair_vbmi(
+    unsafe fn iq3s_grid_nibble_pairs_vbmi(
         qs: __m512i,
         region: [__mmask64; 4],
         pair: usize,
-    ) -> [__m512i; 2] {
+    ) -> __m512i {
         let t = IQ3S_GRID_NIBBLE_PAIRS.0[pair].as_ptr() as *const __m512i;
         let q = |n: usize| _mm512_load_si512(t.add(n));
         let mut r = qs;
         for (n, &k) in region.iter().enumerate() {
             r = _mm512_mask2_permutex2var_epi8(q(2 * n), r, k, q(2 * n + 1));
         }
+        r
+    }
+
+    /// [`iq3s_grid_nibble_pairs_vbmi`] split into the two bytes' unsigned values (a shift and
+    /// two ANDs).
+    #[inline(always)]
+    unsafe fn iq3s_grid_pair_vbmi(
+        qs: __m512i,
+        region: [__mmask64; 4],
+        pair: usize,
+    ) -> [__m512i; 2] {
+        let r = iq3s_grid_nibble_pairs_vbmi(qs, region, pair);
         let low = _mm512_set1_epi8(0x0f);
         [
             _mm512_and_si512(r, low),
@@ -1350,18 +1362,20 @@ mod x86 {
         _mm512_set1_epi64(v)
     }
 
-    /// The eight sub-block scales `d · (1 + 2s)` of a block, lane `l` holding sub-block `l / 2`.
+    /// The eight sub-block scales `d · (1 + 2s)` of a block, lane `l` holding sub-block `l / 2`:
+    /// each lane's nibble `s` (shifted to its low bits) looks up `(1 + 2s) · d` in a table
+    /// of the 16 products (the same products as [`iq3s_db`]; fewer ops than converting `1 + 2s`).
     #[inline(always)]
     unsafe fn iq3s_scales_vbmi(p: *const u8, d: f32) -> __m512 {
-        let nib = _mm512_and_si512(
-            _mm512_srlv_epi32(
-                _mm512_set1_epi32((p.add(106) as *const i32).read_unaligned()),
-                _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28),
-            ),
-            _mm512_set1_epi32(15),
+        let odd = _mm512_setr_ps(
+            1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0, 17.0, 19.0, 21.0, 23.0, 25.0, 27.0, 29.0,
+            31.0,
         );
-        let odd = _mm512_add_epi32(_mm512_slli_epi32::<1>(nib), _mm512_set1_epi32(1));
-        _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(odd))
+        let nib = _mm512_srlv_epi32(
+            _mm512_set1_epi32((p.add(106) as *const i32).read_unaligned()),
+            _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28),
+        );
+        _mm512_permutexvar_ps(nib, _mm512_mul_ps(odd, _mm512_set1_ps(d)))
     }
 
     #[inline(always)]
@@ -1421,7 +1435,7 @@ mod x86 {
     /// sums per activation ([`exact_chains`]: two chains left the FMA latency exposed).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bitalg,avx2,fma,f16c")]
     unsafe fn iq3s_exact_vbmi<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
-        // Entry m: m (the grid magnitudes are 1..15), entry 16 + m: -m.
+        // Index m: -m, index 16 + m: m (the grid magnitudes are 1..15).
         let pos = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
@@ -1440,24 +1454,26 @@ mod x86 {
             let region = iq3s_regions(qs, p);
             let signs = _mm512_cvtepu32_epi64(_mm256_loadu_si256(p.add(74) as *const __m256i));
             let mut tmp = [[_mm512_setzero_ps(); 4]; N];
-            let grid = [
-                iq3s_grid_pair_vbmi(qs, region, 0),
-                iq3s_grid_pair_vbmi(qs, region, 1),
-            ];
+            // Every grid value is odd, so bit 4 of each nibble-pair byte (the high nibble's
+            // bit 0) is set, and so it is after rotating each lane by 4 (the next byte's low
+            // nibble comes in above): bits 0–4 of a byte are already the index `m | 16` of
+            // +m below, and one masked subtraction of 16 makes it −m where the weight is
+            // negative (no nibble split, no sign OR).
+            let g0 = iq3s_grid_nibble_pairs_vbmi(qs, region, 0);
+            let g1 = iq3s_grid_nibble_pairs_vbmi(qs, region, 1);
+            let bytes = [g0, _mm512_ror_epi32::<4>(g0), g1, _mm512_ror_epi32::<4>(g1)];
             for (j, &sel_j) in sel.iter().enumerate() {
-                let w = grid[j / 2][j % 2];
                 let neg = _mm512_bitshuffle_epi64_mask(signs, sel_j);
-                // Magnitude (4 bits) | sign << 4 per byte; byte b of each i32 lane, shifted
-                // down, indexes a 32-entry f32 table (±m) with one two-table permute: fewer
-                // ops than sign-extending and converting each byte (two shifts and a
-                // `vcvtdq2ps`, all on one port). No lane-crossing unpack: the activations are
-                // laid out to match.
-                let idx = _mm512_mask_add_epi8(w, neg, w, bit4);
+                // Byte b of each i32 lane, shifted down, indexes the 32-entry f32 table (±m)
+                // with one two-table permute: fewer ops than sign-extending and converting
+                // each byte (two shifts and a `vcvtdq2ps`, all on one port). No lane-crossing
+                // unpack: the activations are laid out to match.
+                let idx = _mm512_mask_sub_epi8(bytes[j], neg, bytes[j], bit4);
                 let f = [
-                    _mm512_permutex2var_ps(pos, idx, negt),
-                    _mm512_permutex2var_ps(pos, _mm512_srli_epi32::<8>(idx), negt),
-                    _mm512_permutex2var_ps(pos, _mm512_srli_epi32::<16>(idx), negt),
-                    _mm512_permutex2var_ps(pos, _mm512_srli_epi32::<24>(idx), negt),
+                    _mm512_permutex2var_ps(negt, idx, pos),
+                    _mm512_permutex2var_ps(negt, _mm512_srli_epi32::<8>(idx), pos),
+                    _mm512_permutex2var_ps(negt, _mm512_srli_epi32::<16>(idx), pos),
+                    _mm512_permutex2var_ps(negt, _mm512_srli_epi32::<24>(idx), pos),
                 ];
                 for t in 0..N {
                     let xp = a[t].f.add(256 * blk + 64 * j);
