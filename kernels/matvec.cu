@@ -83,6 +83,64 @@ __device__ __forceinline__ void matvec_impl(const void* w, const float* x, float
     }
 }
 
+// Split-K, for matrices with too few rows to fill the GPU at a warp a row (Flash-Next's
+// hyper-connection, router and shared-expert projections): a block of 8 warps takes 8 / KS
+// rows, KS warps a row, each over an interleaved share of its 16-byte vectors; the partial
+// sums meet in shared memory and are added in warp order (a fixed order: results repeat).
+// `in` is a multiple of the vector width (the host checks).
+template <int DT, int ROWS, int KS>
+__device__ __forceinline__ void matvec_splitk_impl(const void* w, const float* x, float* y, int in, int out) {
+    __shared__ float partial[8][ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * (8 / KS) + warp / KS;
+    const int slice = warp % KS;
+    const int EPV = Vec16<DT>::N;
+    const int esize = DT == DT_F32 ? 4 : 2;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+    if (row < out) {
+        const uint4* wv = (const uint4*)((const char*)w + (u64)row * in * esize);
+        const int nv = in / EPV;
+#pragma unroll 4
+        for (int v = slice * 32 + lane; v < nv; v += 32 * KS) {
+            float wf[EPV];
+            Vec16<DT>::unpack(__ldg(wv + v), wf);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const float4* xv = (const float4*)(x + (u64)r * in + (u64)v * EPV);
+#pragma unroll
+                for (int q = 0; q < EPV / 4; q++) {
+                    float4 xx = xv[q];
+                    acc[r] += wf[4 * q] * xx.x + wf[4 * q + 1] * xx.y + wf[4 * q + 2] * xx.z + wf[4 * q + 3] * xx.w;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) partial[warp][r] = s;
+    }
+    __syncthreads();
+    if (slice == 0 && lane < ROWS && row < out) {
+        float t = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KS; j++) t += partial[warp + j][lane];
+        y[(u64)lane * out + row] = t;
+    }
+}
+
+#define MATVEC_SPLITK(NAME, DT, ROWS, KS)                                                      \
+    extern "C" __global__ void NAME(const void* w, const float* x, float* y, int in, int out) { KERNEL_START(); \
+        matvec_splitk_impl<DT, ROWS, KS>(w, x, y, in, out);                                    \
+    }
+
+#define MATVEC_SPLITK_ALL(PREFIX, DT, ROWS) \
+    MATVEC_SPLITK(PREFIX##_##ROWS##_k2, DT, ROWS, 2) \
+    MATVEC_SPLITK(PREFIX##_##ROWS##_k4, DT, ROWS, 4) \
+    MATVEC_SPLITK(PREFIX##_##ROWS##_k8, DT, ROWS, 8)
+
 #define MATVEC(NAME, DT, ROWS)                                                                 \
     extern "C" __global__ void NAME(const void* w, const float* x, float* y, int in, int out) { KERNEL_START(); \
         matvec_impl<DT, ROWS>(w, x, y, in, out);                                               \
@@ -101,3 +159,18 @@ __device__ __forceinline__ void matvec_impl(const void* w, const float* x, float
 MATVEC_ALL_ROWS(matvec_bf16, DT_BF16)
 MATVEC_ALL_ROWS(matvec_f16, DT_F16)
 MATVEC_ALL_ROWS(matvec_f32, DT_F32)
+
+// The split-K kernels: matvec_<dt>_<rows>_k<KS>, rows 1..8, KS 2, 4, 8.
+#define MATVEC_SPLITK_ALL_ROWS(PREFIX, DT) \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 1)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 2)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 3)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 4)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 5)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 6)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 7)       \
+    MATVEC_SPLITK_ALL(PREFIX, DT, 8)
+
+MATVEC_SPLITK_ALL_ROWS(matvec_bf16, DT_BF16)
+MATVEC_SPLITK_ALL_ROWS(matvec_f16, DT_F16)
+MATVEC_SPLITK_ALL_ROWS(matvec_f32, DT_F32)

@@ -287,6 +287,37 @@ fn qsa_within_budget_is_dense_attention() {
 }
 
 #[test]
+fn few_row_float_matvecs_split_over_warps_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(13);
+    // Shapes whose rows cannot fill the GPU a warp a row (split-K: the router, the shared
+    // expert, a hyper-connection projection, a narrow odd one) and one that can, for 1 to 8
+    // input rows, BF16 and F32 weights.
+    for (rows, cols) in [
+        (513usize, 2560usize),
+        (1280, 2560),
+        (328, 10240),
+        (37, 1024),
+        (20000, 512),
+    ] {
+        for dtype in [DType::BF16, DType::F32] {
+            let w = r.vec(rows * cols, 0.05);
+            let wm = host_matrix("w", rows, cols, &w, dtype);
+            let (wc, wg) = (c.matrix(&wm).unwrap(), g.matrix(&wm).unwrap());
+            for n in [1usize, 3, 8] {
+                let (xc, xg) = pair(&g, n, cols, &r.vec(n * cols, 1.0));
+                assert_close(
+                    &g.to_host(&g.linear(&xg, &wg)),
+                    &c.linear(&xc, &wc).data,
+                    &format!("linear {n}x{cols} · [{rows}, {cols}] {dtype}ᵀ"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn shared_expert_gate_reads_its_logit_column_like_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();

@@ -29,6 +29,9 @@ fn matvec_functions() -> Vec<String> {
     for dt in ["bf16", "f16", "f32"] {
         for rows in 1..=super::MATVEC_MAX_ROWS {
             v.push(format!("matvec_{dt}_{rows}"));
+            for ks in super::MATVEC_SPLITS {
+                v.push(format!("matvec_{dt}_{rows}_k{ks}"));
+            }
         }
     }
     v

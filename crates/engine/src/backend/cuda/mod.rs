@@ -37,6 +37,29 @@ use std::sync::{Arc, Mutex};
 
 /// Rows up to which a linear layer uses the matvec kernel instead of cuBLAS.
 pub const MATVEC_MAX_ROWS: usize = 8;
+/// Warps a row of the split-K float matvecs (`matvec_<dt>_<rows>_k<KS>` in matvec.cu).
+pub const MATVEC_SPLITS: [usize; 3] = [2, 4, 8];
+
+/// Warps a row for the float matvec of a `[rows, ·]` matrix of `vectors` 16-byte vectors a
+/// row: 1 (a warp a row, 8 rows a block) where that gives every SM 4 blocks; else the fewest
+/// [`MATVEC_SPLITS`] that do, or failing that the most, each keeping every lane at least one
+/// vector. Flash-Next's router (513 rows) and hyper-connection projections ran at a tenth of
+/// the copy bandwidth on 41 to 65 blocks.
+pub fn dense_matvec_splits(rows: usize, vectors: usize, multiprocessors: usize) -> usize {
+    let full = 4 * multiprocessors.max(1);
+    let blocks = |ks: usize| ceil_div(rows, 8 / ks);
+    if blocks(1) >= full {
+        return 1;
+    }
+    let fits = MATVEC_SPLITS
+        .iter()
+        .copied()
+        .filter(|&ks| vectors >= 32 * ks);
+    fits.clone()
+        .find(|&ks| blocks(ks) >= full)
+        .or_else(|| fits.max())
+        .unwrap_or(1)
+}
 /// Widest input the int8 decode matvec takes (its shared memory holds x as int8).
 const QMV8_MAX_COLS: usize = 32768;
 /// Warps per block of the int8 decode matvec (each block quantizes x once for all of them).
@@ -2196,9 +2219,19 @@ impl Backend for CudaBackend {
             launch!(self, &name, (ceil_div(w.rows, rows_per_block) as u32, 1, 1), (256, 1, 1), 0;
                 q.code, w.buf.ptr, x.ptr(), out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
         } else if x.rows <= MATVEC_MAX_ROWS {
-            let name = format!("matvec_{}_{}", w.dtype.name(), x.rows);
-            let warps_per_block = 8;
-            launch!(self, &name, (ceil_div(w.rows, warps_per_block) as u32, 1, 1), (32 * warps_per_block as u32, 1, 1), 0;
+            let per_vector = if w.dtype == WeightType::F32 { 4 } else { 8 };
+            let splits = if w.cols.is_multiple_of(per_vector) {
+                let sms = self.inner.info.multiprocessors.max(1) as usize;
+                dense_matvec_splits(w.rows, w.cols / per_vector, sms)
+            } else {
+                1
+            };
+            let name = match splits {
+                1 => format!("matvec_{}_{}", w.dtype.name(), x.rows),
+                ks => format!("matvec_{}_{}_k{ks}", w.dtype.name(), x.rows),
+            };
+            let rows_per_block = 8 / splits;
+            launch!(self, &name, (ceil_div(w.rows, rows_per_block) as u32, 1, 1), (256, 1, 1), 0;
                 w.buf.ptr, x.ptr(), out.ptr(), w.cols as i32, w.rows as i32);
         } else {
             self.linear_gemm(x, w, &out);
@@ -2715,6 +2748,29 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn few_row_float_matvecs_split_rows_over_warps() {
+        // Flash-Next on an H100 (132 SMs, 528 blocks for 4 an SM): the lm_head and the GDN
+        // input projection fill the GPU a warp a row; the shared expert (1280 rows) takes four
+        // warps a row, the 2560-row projections two; the router (513 rows × 320 vectors) and
+        // the hyper-connection projections the most splits every lane still has a vector for.
+        assert_eq!(dense_matvec_splits(248_320, 320, 132), 1);
+        assert_eq!(dense_matvec_splits(16_480, 320, 132), 1);
+        assert_eq!(dense_matvec_splits(1280, 320, 132), 4);
+        assert_eq!(dense_matvec_splits(2560, 320, 132), 2);
+        assert_eq!(dense_matvec_splits(513, 320, 132), 8);
+        assert_eq!(dense_matvec_splits(328, 1280, 132), 8);
+        // Too few vectors a row for any split: a warp a row.
+        assert_eq!(dense_matvec_splits(16, 40, 132), 1);
+        assert_eq!(dense_matvec_splits(16, 64, 132), 2);
+        for rows in [1, 7, 100, 513, 5000, 100_000] {
+            for vectors in [1, 31, 32, 64, 320, 1280] {
+                let ks = dense_matvec_splits(rows, vectors, 132);
+                assert!(ks == 1 || (MATVEC_SPLITS.contains(&ks) && vectors >= 32 * ks));
+            }
+        }
+    }
 
     #[test]
     fn few_row_records_matvecs_split_rows_over_warps() {
