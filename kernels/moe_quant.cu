@@ -10,7 +10,9 @@
 
 #define MOE_Q_MAX_ROWS 8
 
-template <int FMT>
+// R: the rows a group may hold (1 for a decode step, where every group has one row: its own
+// registers and twice the loads in flight; MOE_Q_MAX_ROWS otherwise).
+template <int FMT, int R>
 __device__ __forceinline__ void moe_q_gate_up_impl(const u64* groups, const u32* rows, const float* x, float* act,
                                                    int hidden, int inter, u64 row_bytes, int interleaved) {
     const int lane = threadIdx.x & 31;
@@ -22,19 +24,20 @@ __device__ __forceinline__ void moe_q_gate_up_impl(const u64* groups, const u32*
     const float mult = __uint_as_float((u32)g[4]);
     const unsigned char* wg = w + (u64)(interleaved ? 2 * o : o) * row_bytes;
     const unsigned char* wu = w + (u64)(interleaved ? 2 * o + 1 : inter + o) * row_bytes;
-    const float* xr[MOE_Q_MAX_ROWS];
+    const float* xr[R];
 #pragma unroll
-    for (int r = 0; r < MOE_Q_MAX_ROWS; r++) xr[r] = x + (u64)rows[off + min(r, cnt - 1)] * hidden;
-    float ag[MOE_Q_MAX_ROWS], au[MOE_Q_MAX_ROWS];
+    for (int r = 0; r < R; r++) xr[r] = x + (u64)rows[off + min(r, cnt - 1)] * hidden;
+    float ag[R], au[R];
 #pragma unroll
-    for (int r = 0; r < MOE_Q_MAX_ROWS; r++) ag[r] = au[r] = 0.0f;
+    for (int r = 0; r < R; r++) ag[r] = au[r] = 0.0f;
     const int ngroups = hidden >> 3;
+#pragma unroll (R == 1 ? 2 : 1)
     for (int q = lane; q < ngroups; q += 32) {
         float fg[8], fu[8];
         qdecode8<FMT>(wg, q, fg);
         qdecode8<FMT>(wu, q, fu);
 #pragma unroll
-        for (int r = 0; r < MOE_Q_MAX_ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             if (r < cnt) {
                 const float4 x0 = *(const float4*)(xr[r] + 8 * q);
                 const float4 x1 = *(const float4*)(xr[r] + 8 * q + 4);
@@ -46,7 +49,7 @@ __device__ __forceinline__ void moe_q_gate_up_impl(const u64* groups, const u32*
         }
     }
 #pragma unroll
-    for (int r = 0; r < MOE_Q_MAX_ROWS; r++) {
+    for (int r = 0; r < R; r++) {
         if (r < cnt) {
             const float gs = warp_sum(ag[r]) * mult;
             const float us = warp_sum(au[r]) * mult;
@@ -55,39 +58,59 @@ __device__ __forceinline__ void moe_q_gate_up_impl(const u64* groups, const u32*
     }
 }
 
-template <int FMT>
+// Down rows are short (an expert's intermediate width: 640 weights, 80 groups of 8), so a
+// warp takes MOE_Q_DOWN_RPW of them at once, as the plain quantized matvec does, for more loads
+// in flight a lane; R as for gate_up.
+#define MOE_Q_DOWN_RPW 4
+template <int FMT, int R>
 __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* act, float* ys, int hidden, int inter,
                                                 u64 row_bytes) {
     const int lane = threadIdx.x & 31;
-    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= hidden) return;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_Q_DOWN_RPW;
+    if (o0 >= hidden) return;
     const u64* g = groups + (u64)blockIdx.y * 6;
-    const unsigned char* wr = (const unsigned char*)g[1] + (u64)o * row_bytes;
+    const unsigned char* w = (const unsigned char*)g[1];
     const int off = (int)g[2], cnt = (int)g[3];
     const float mult = __uint_as_float((u32)g[5]);
-    float acc[MOE_Q_MAX_ROWS];
+    float acc[MOE_Q_DOWN_RPW][R];
 #pragma unroll
-    for (int r = 0; r < MOE_Q_MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int k = 0; k < MOE_Q_DOWN_RPW; k++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[k][r] = 0.0f;
     const int ngroups = inter >> 3;
     for (int q = lane; q < ngroups; q += 32) {
-        float f[8];
-        qdecode8<FMT>(wr, q, f);
+        float a[R][8];
 #pragma unroll
-        for (int r = 0; r < MOE_Q_MAX_ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             if (r < cnt) {
-                const float* a = act + (u64)(off + r) * inter + 8 * q;
-                const float4 a0 = *(const float4*)a;
-                const float4 a1 = *(const float4*)(a + 4);
-                acc[r] += f[0] * a0.x + f[1] * a0.y + f[2] * a0.z + f[3] * a0.w + f[4] * a1.x + f[5] * a1.y +
-                          f[6] * a1.z + f[7] * a1.w;
+                const float4* ap = (const float4*)(act + (u64)(off + r) * inter + 8 * q);
+                const float4 a0 = ap[0], a1 = ap[1];
+                a[r][0] = a0.x; a[r][1] = a0.y; a[r][2] = a0.z; a[r][3] = a0.w;
+                a[r][4] = a1.x; a[r][5] = a1.y; a[r][6] = a1.z; a[r][7] = a1.w;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < MOE_Q_DOWN_RPW; k++) {
+            if (o0 + k < hidden) {
+                float f[8];
+                qdecode8<FMT>(w + (u64)(o0 + k) * row_bytes, q, f);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (r < cnt)
+                        acc[k][r] += f[0] * a[r][0] + f[1] * a[r][1] + f[2] * a[r][2] + f[3] * a[r][3] +
+                                     f[4] * a[r][4] + f[5] * a[r][5] + f[6] * a[r][6] + f[7] * a[r][7];
+                }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < MOE_Q_MAX_ROWS; r++) {
-        if (r < cnt) {
-            const float s = warp_sum(acc[r]) * mult;
-            if (lane == 0) ys[(u64)(off + r) * hidden + o] = s;
+    for (int k = 0; k < MOE_Q_DOWN_RPW; k++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r < cnt) {
+                const float s = warp_sum(acc[k][r]) * mult;
+                if (lane == 0 && o0 + k < hidden) ys[(u64)(off + r) * hidden + o0 + k] = s;
+            }
         }
     }
 }
@@ -105,18 +128,28 @@ __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* 
     }
 
 // x [n, hidden] → act [slots, inter] = silu(gate · x) · (up · x). grid (ceil(inter / warps), G);
-// one warp per output column. hidden a multiple of 8 (every block format's groups).
+// one warp per output column. hidden a multiple of 8 (every block format's groups). A group of
+// one row (every group of a decode step) takes the one-row code.
 extern "C" __global__ void moe_q_gate_up(const u64* groups, const u32* rows, const float* x, float* act, int fmt,
                                          int hidden, int inter, u64 row_bytes, int interleaved) { KERNEL_START();
-#define MOE_Q_GU(F) moe_q_gate_up_impl<F>(groups, rows, x, act, hidden, inter, row_bytes, interleaved)
+#define MOE_Q_GU(F)                                                                              \
+    if (groups[(u64)blockIdx.y * 6 + 3] == 1)                                                    \
+        moe_q_gate_up_impl<F, 1>(groups, rows, x, act, hidden, inter, row_bytes, interleaved);   \
+    else                                                                                         \
+        moe_q_gate_up_impl<F, MOE_Q_MAX_ROWS>(groups, rows, x, act, hidden, inter, row_bytes, interleaved)
     MOE_Q_DISPATCH(MOE_Q_GU)
 #undef MOE_Q_GU
 }
 
-// act [slots, inter] → ys [slots, hidden] = act · downᵀ per group. grid (ceil(hidden / warps), G).
+// act [slots, inter] → ys [slots, hidden] = act · downᵀ per group.
+// grid (ceil(hidden / (warps · MOE_Q_DOWN_RPW)), G).
 extern "C" __global__ void moe_q_down(const u64* groups, const float* act, float* ys, int fmt, int hidden, int inter,
                                       u64 row_bytes) { KERNEL_START();
-#define MOE_Q_D(F) moe_q_down_impl<F>(groups, act, ys, hidden, inter, row_bytes)
+#define MOE_Q_D(F)                                                       \
+    if (groups[(u64)blockIdx.y * 6 + 3] == 1)                            \
+        moe_q_down_impl<F, 1>(groups, act, ys, hidden, inter, row_bytes); \
+    else                                                                 \
+        moe_q_down_impl<F, MOE_Q_MAX_ROWS>(groups, act, ys, hidden, inter, row_bytes)
     MOE_Q_DISPATCH(MOE_Q_D)
 #undef MOE_Q_D
 }

@@ -25,6 +25,8 @@ use std::ffi::c_void;
 
 /// Rows per expert up to which the grouped matvec kernels run (`MOE_MAX_ROWS` in moe.cu).
 pub const MOE_MATVEC_MAX_ROWS: usize = 8;
+/// Output rows a warp of `moe_q_down` takes (`MOE_Q_DOWN_RPW` in moe_quant.cu).
+const MOE_Q_DOWN_ROWS_PER_WARP: usize = 4;
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
 const QSA_SPLIT: usize = 128;
@@ -609,7 +611,7 @@ impl CudaBackend {
             launch!(self, "moe_q_gate_up", (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
                 groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
                 gq.row_bytes as u64, interleaved as i32);
-            launch!(self, "moe_q_down", (ceil_div(hidden, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
+            launch!(self, "moe_q_down", (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
                 groups_dev.ptr, act.ptr, ys.ptr, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
         } else if !small.is_empty() {
             let groups = small.len() / 4;
