@@ -441,8 +441,14 @@ fn quantized_routed_experts_match_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(11);
-    let (hidden, inter, count) = (512usize, 128usize, 12usize);
-    for (gate_fmt, down_fmt) in [("nvfp4", "nvfp4"), ("iq3_s", "q2_0"), ("q8_0", "q8_0")] {
+    let count = 12usize;
+    // A small shape and Flash-Next's (2560 × 640: 80 groups a down row, 2560 down rows).
+    for (hidden, inter, (gate_fmt, down_fmt)) in [(512usize, 128usize), (2560, 640)]
+        .into_iter()
+        .flat_map(|(h, i)| {
+            [("nvfp4", "nvfp4"), ("iq3_s", "q2_0"), ("q8_0", "q8_0")].map(|f| (h, i, f))
+        })
+    {
         let (fg, fd) = (
             RowFormat::parse(gate_fmt).unwrap(),
             RowFormat::parse(down_fmt).unwrap(),
