@@ -121,6 +121,7 @@ __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* 
         case QF_NVFP4R: CALL(QF_NVFP4R); break;                     \
         case QF_Q8_0: CALL(QF_Q8_0); break;                         \
         case QF_IQ3_S: CALL(QF_IQ3_S); break;                       \
+        case QF_IQ3SR: CALL(QF_IQ3SR); break;                       \
         case QF_IQ3_XXS: CALL(QF_IQ3_XXS); break;                   \
         case QF_IQ2_XS: CALL(QF_IQ2_XS); break;                     \
         case QF_Q2_0: CALL(QF_Q2_0); break;                         \

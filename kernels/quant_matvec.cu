@@ -21,6 +21,18 @@
 // so that a warp reads a record's codes as 32 consecutive 16-byte loads.
 #define QF_NVFP4R 8
 #define NVFP4R_RECORD 576
+// IQ3_S repacked for the GPU (backend/cuda/iq3s_records.rs): each row a run of 1024-weight
+// records (4 blocks, 440 bytes), a 432-byte body of 16 slots of 64 weights, one per lane of a
+// half-warp, in four planes (slot i: 16 bytes of packed 9-bit grid indices at 16i, 8 bytes of
+// signs at IQ3SR_SIGNS + 8i, the indices' top 16 bits at IQ3SR_HIGH + 2i, two 4-bit scales at
+// IQ3SR_SCALES + i), and the 4 blocks' f16 d before the body when the record's address is
+// 8 mod 16, after it otherwise, so that the body is always 16-byte aligned.
+#define QF_IQ3SR 9
+#define IQ3SR_RECORD 440
+#define IQ3SR_BODY 432
+#define IQ3SR_SIGNS 256
+#define IQ3SR_HIGH 384
+#define IQ3SR_SCALES 416
 
 #define QMV_RPW 4
 
@@ -29,7 +41,8 @@ __device__ __forceinline__ float qf16(const unsigned char* p) {
 }
 
 __device__ __forceinline__ int qf_block_len(int fmt) {
-    return fmt == QF_Q8_0 ? 32 : fmt == QF_NVFP4 ? 64 : fmt == QF_Q2_0 ? 64 : fmt == QF_FP8 ? 128 : fmt == QF_NVFP4R ? 1024 : 256;
+    return fmt == QF_Q8_0 ? 32 : fmt == QF_NVFP4 ? 64 : fmt == QF_Q2_0 ? 64 : fmt == QF_FP8 ? 128 : fmt == QF_NVFP4R ? 1024
+         : fmt == QF_IQ3SR ? 1024 : 256;
 }
 __device__ __forceinline__ int qf_block_bytes(int fmt) {
     switch (fmt) {
@@ -40,11 +53,27 @@ __device__ __forceinline__ int qf_block_bytes(int fmt) {
         case QF_IQ2_XS: return 74;
         case QF_Q2_0: return 18;
         case QF_NVFP4R: return NVFP4R_RECORD;
+        case QF_IQ3SR: return IQ3SR_RECORD;
         default: return 132;
     }
 }
 
 __device__ __forceinline__ float qsign(float v, unsigned bits, int j) { return (bits >> j) & 1 ? -v : v; }
+
+// Where the record at `rec` keeps its body and its 4 f16 d values (QF_IQ3SR).
+__device__ __forceinline__ const unsigned char* iq3sr_body(const unsigned char* rec) { return rec + ((u64)rec & 8); }
+__device__ __forceinline__ const unsigned char* iq3sr_d(const unsigned char* rec) {
+    return rec + ((u64)rec & 8 ? 0 : IQ3SR_BODY);
+}
+
+// Grid index k (0..15) of slot `slot` of a record body: bits 9k..9k+8 of the slot's 144 bits
+// (16 bytes at 16·slot, then 2 at IQ3SR_HIGH + 2·slot).
+__device__ __forceinline__ u32 iq3sr_index(const unsigned char* body, int slot, int k) {
+    const int bit = 9 * k, byte = bit >> 3;
+    const u32 lo = byte < 16 ? body[16 * slot + byte] : body[IQ3SR_HIGH + 2 * slot + byte - 16];
+    const u32 hi = byte + 1 < 16 ? body[16 * slot + byte + 1] : body[IQ3SR_HIGH + 2 * slot + byte + 1 - 16];
+    return ((lo | (hi << 8)) >> (bit & 7)) & 511u;
+}
 
 // Weights 8g … 8g+7 of the row starting at `row`.
 template <int FMT>
@@ -91,6 +120,21 @@ __device__ __forceinline__ void qdecode8(const unsigned char* row, int g, float*
         const unsigned char* q = b + 4 + 8 * (g & 15);
 #pragma unroll
         for (int j = 0; j < 8; j++) w[j] = __uint_as_float(QT_E4M3[q[j]]) * s;
+    } else if (FMT == QF_IQ3SR) {
+        const unsigned char* rec = row + (g >> 7) * IQ3SR_RECORD;
+        const unsigned char* body = iq3sr_body(rec);
+        const int gi = g & 127, slot = gi >> 3, k0 = 2 * (gi & 7), sub = k0 >> 3;
+        const float d = qf16(iq3sr_d(rec) + 2 * (slot >> 2));
+        const int s = (body[IQ3SR_SCALES + slot] >> (4 * sub)) & 15;
+        const float db = d * (float)(1 + 2 * s);
+        const u32 signs = *(const u32*)(body + IQ3SR_SIGNS + 8 * slot + 4 * sub);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int k = k0 + h;
+            const u32 grid = QT_IQ3S[iq3sr_index(body, slot, k)];
+#pragma unroll
+            for (int j = 0; j < 4; j++) w[4 * h + j] = qsign(db * (float)((grid >> (8 * j)) & 255), signs, 8 * j + 7 - (k & 7));
+        }
     } else if (FMT == QF_IQ3_S) {
         const unsigned char* b = row + (g >> 5) * 110;
         const int i8 = g & 31;
@@ -193,6 +237,7 @@ __device__ __forceinline__ void quant_matvec_any(int fmt, const unsigned char* w
         case QF_NVFP4R: quant_matvec_impl<QF_NVFP4R, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_Q8_0: quant_matvec_impl<QF_Q8_0, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_IQ3_S: quant_matvec_impl<QF_IQ3_S, ROWS>(w, x, y, in, out, row_bytes, mult); break;
+        case QF_IQ3SR: quant_matvec_impl<QF_IQ3SR, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_IQ3_XXS: quant_matvec_impl<QF_IQ3_XXS, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_IQ2_XS: quant_matvec_impl<QF_IQ2_XS, ROWS>(w, x, y, in, out, row_bytes, mult); break;
         case QF_Q2_0: quant_matvec_impl<QF_Q2_0, ROWS>(w, x, y, in, out, row_bytes, mult); break;
@@ -249,6 +294,7 @@ extern "C" __global__ void quant_dequant_rows(int fmt, const unsigned char* w, c
         case QF_NVFP4R: dequant_rows_impl<QF_NVFP4R>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_Q8_0: dequant_rows_impl<QF_Q8_0>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_IQ3_S: dequant_rows_impl<QF_IQ3_S>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
+        case QF_IQ3SR: dequant_rows_impl<QF_IQ3SR>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_IQ3_XXS: dequant_rows_impl<QF_IQ3_XXS>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_IQ2_XS: dequant_rows_impl<QF_IQ2_XS>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
         case QF_Q2_0: dequant_rows_impl<QF_Q2_0>(w, ids, row0, rows, cols, row_bytes, mult, out, out_bf16); break;
@@ -670,3 +716,158 @@ NVFP4R_Q8_SPLITK(2, 8)
 NVFP4R_Q8_SPLITK(1, 2)
 NVFP4R_Q8_SPLITK(1, 4)
 NVFP4R_Q8_SPLITK(1, 8)
+
+// ---------------------------------------------------------------------------------------------
+// Fast-path decode matvec for IQ3_S records (QF_IQ3SR), one input row, x in quantize_x_q8r's
+// int8 layout (written by x's producer, or by quantize_x_q8r): like the NVFP4 records kernels,
+// no x prologue, every weight load issued at once. Each half-warp takes its own rows; lane i of
+// a half decodes slot i of a record (64 weights: one 16-byte load of packed indices, 8 bytes of
+// signs, 2 of index top bits, 1 of scales, 2 of d), so the two halves of a warp read x at the
+// same addresses, and a row's slot is a run of consecutive loads for each plane.
+// Per 4 weights (grid entry k of the slot): the entry's byte offset in the grid (a shift or a
+// funnel shift, an and), the entry from the grid in shared memory, the sign mask (the signs of
+// entry k sit at the byte tops of its word shifted left by k % 8, so one prmt in sign-replicate
+// mode spreads them to bytes), the negation in one lop3 (every grid byte g is odd, and an odd
+// g xor 0xFE is −g), one dp4a. The 2 KiB grid is copied into shared memory per block.
+
+// Half-warps per block (256 threads).
+#define IQ3SR_HALF_WARPS 16
+
+// Byte offset of grid entry k (0..15) of a slot in a u32 table: its 9-bit index times 4, from
+// the slot's packed indices q (words 0..3: bits 0..127, word 4: bits 128..143).
+__device__ __forceinline__ u32 iq3sr_grid_offset(const u32 (&q)[5], int k) {
+    const int bit = 9 * k, word = bit >> 5, at = bit & 31;
+    u32 v;
+    if (at < 2) v = q[word] << (2 - at);
+    else if (at <= 23) v = q[word] >> (at - 2);
+    else v = __funnelshift_r(q[word], q[word + 1], at - 2);
+    return v & 0x7FCu;
+}
+
+// One slot of one row against its 64 int8 x values (xv: the slot's two groups of 32, each as
+// plane A then plane B) and their two scales: Σ w·x, w = d · (2s + 1) · signed grid value.
+__device__ __forceinline__ float iq3sr_slot_dot(const u32* grid, uint4 idx, u32 high, uint2 signs, u32 scales, float d,
+                                                const uint4 (&xv)[4], float2 xs) {
+    const u32 q[5] = {idx.x, idx.y, idx.z, idx.w, high};
+    int isum[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < 16; k++) {
+        const u32 g = *(const u32*)((const unsigned char*)grid + iq3sr_grid_offset(q, k));
+        const u32 mask = prmt_sx((k < 8 ? signs.x : signs.y) << (k & 7), 0u, 0xBA98u);
+        const uint4 x4 = xv[k >> 2];
+        const u32 x = (k & 3) == 0 ? x4.x : (k & 3) == 1 ? x4.y : (k & 3) == 2 ? x4.z : x4.w;
+        isum[k >> 3] = dp4a_s32((int)(g ^ (mask & 0xFEFEFEFEu)), (int)x, isum[k >> 3]);
+    }
+    const int s0 = (int)((scales << 1) & 30u) + 1, s1 = (int)((scales >> 3) & 30u) + 1;
+    return d * ((float)(isum[0] * s0) * xs.x + (float)(isum[1] * s1) * xs.y);
+}
+
+// Record r of rows row0..row0+HRPW-1 (clamped to the last row) against x, added into acc: the
+// lane's slot of every row, then x's 64 int8 values of those columns and their two scales.
+template <int HRPW>
+__device__ __forceinline__ void iq3sr_record(const u32* grid, const unsigned char* w, const uint4* xa_plane,
+                                             const uint4* xb_plane, const float* xs, int r, int slot, int row0, int out,
+                                             u64 row_bytes, float (&acc)[HRPW]) {
+    uint4 idx[HRPW];
+    uint2 signs[HRPW];
+    u32 high[HRPW], scales[HRPW];
+    u16 dbits[HRPW];
+#pragma unroll
+    for (int o = 0; o < HRPW; o++) {
+        const int row = min(row0 + o, out - 1);
+        const unsigned char* rec = w + (u64)row * row_bytes + (u64)r * IQ3SR_RECORD;
+        const unsigned char* body = iq3sr_body(rec);
+        idx[o] = __ldg((const uint4*)body + slot);
+        signs[o] = __ldg((const uint2*)(body + IQ3SR_SIGNS) + slot);
+        high[o] = __ldg((const u16*)(body + IQ3SR_HIGH) + slot);
+        scales[o] = __ldg(body + IQ3SR_SCALES + slot);
+        dbits[o] = __ldg((const u16*)iq3sr_d(rec) + (slot >> 2));
+    }
+    const int c = 32 * r + 2 * slot;  // the slot's two groups of 32 in x
+    const uint4 xv[4] = {__ldg(xa_plane + c), __ldg(xb_plane + c), __ldg(xa_plane + c + 1), __ldg(xb_plane + c + 1)};
+    const float2 xscale = __ldg((const float2*)xs + (c >> 1));
+#pragma unroll
+    for (int o = 0; o < HRPW; o++)
+        acc[o] += iq3sr_slot_dot(grid, idx[o], high[o], signs[o], scales[o], f16_to_f32(dbits[o]), xv, xscale);
+}
+
+// y[out] = mult · W[out, in] · x with W in IQ3_S records (in % 1024 == 0), x from
+// quantize_x_q8r. Each half-warp takes HRPW consecutive rows; KS == 1: block 256 threads, grid
+// ceil(out / (16 · HRPW)). KS > 1 (few rows): each row's records are split over KS half-warps
+// (record r to the half-warp r mod KS) whose partial sums meet in shared memory and are added in
+// a fixed order (deterministic); grid ceil(out / (HRPW · 16 / KS)). UNROLL records a step of the
+// record loop: 2 keeps more loads in flight, which pays where the grid is a single wave
+// (tools/cuda_microbench/iq3s_records_bench.cu).
+template <int HRPW, int KS, int UNROLL = 1>
+__device__ __forceinline__ void iq3sr_q8_impl(const unsigned char* w, const unsigned char* xq, const float* xs,
+                                              float* y, int in, int out, u64 row_bytes, float mult) {
+    __shared__ u32 grid[512];
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) grid[i] = QT_IQ3S[i];
+    __syncthreads();
+    const int slot = threadIdx.x & 15, half_warp = threadIdx.x >> 4;
+    const int slice = half_warp % KS;
+    const int row0 = (blockIdx.x * (IQ3SR_HALF_WARPS / KS) + half_warp / KS) * HRPW;
+    const int records = in >> 10;
+    const uint4* xa_plane = (const uint4*)xq;
+    const uint4* xb_plane = (const uint4*)(xq + (in >> 1));
+    float acc[HRPW];
+#pragma unroll
+    for (int o = 0; o < HRPW; o++) acc[o] = 0.0f;
+#pragma unroll UNROLL
+    for (int r = slice; r < records; r += KS)
+        iq3sr_record<HRPW>(grid, w, xa_plane, xb_plane, xs, r, slot, row0, out, row_bytes, acc);
+    // Sum over the half-warp (both halves shuffle together: offsets below 16 stay in a half).
+#pragma unroll
+    for (int o = 0; o < HRPW; o++)
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], off);
+    if constexpr (KS == 1) {
+        if (slot < HRPW && row0 + slot < out) {
+            float s = acc[0];
+#pragma unroll
+            for (int o = 1; o < HRPW; o++)
+                if (slot == o) s = acc[o];
+            y[row0 + slot] = s * mult;
+        }
+    } else {
+        __shared__ float part[IQ3SR_HALF_WARPS][HRPW];
+        if (slot == 0) {
+#pragma unroll
+            for (int o = 0; o < HRPW; o++) part[half_warp][o] = acc[o];
+        }
+        __syncthreads();
+        if (slice == 0 && slot < HRPW && row0 + slot < out) {
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < KS; j++) s += part[half_warp + j][slot];
+            y[row0 + slot] = s * mult;
+        }
+    }
+}
+
+#define IQ3SR_Q8(HRPW)                                                                                  \
+    extern "C" __global__ void quant_matvec_iq3sr_q8_##HRPW(const unsigned char* w, const unsigned char* xq, \
+                                                            const float* xs, float* y, int in, int out,     \
+                                                            u64 row_bytes, float mult) { KERNEL_START();     \
+        iq3sr_q8_impl<HRPW, 1>(w, xq, xs, y, in, out, row_bytes, mult);                                     \
+    }
+IQ3SR_Q8(1)
+IQ3SR_Q8(2)
+
+extern "C" __global__ void quant_matvec_iq3sr_q8_2_unroll2(const unsigned char* w, const unsigned char* xq,
+                                                          const float* xs, float* y, int in, int out, u64 row_bytes,
+                                                          float mult) { KERNEL_START();
+    iq3sr_q8_impl<2, 1, 2>(w, xq, xs, y, in, out, row_bytes, mult);
+}
+
+#define IQ3SR_Q8_SPLITK(HRPW, KS)                                                                             \
+    extern "C" __global__ void quant_matvec_iq3sr_q8k_##HRPW##_##KS(const unsigned char* w, const unsigned char* xq, \
+                                                                    const float* xs, float* y, int in, int out,  \
+                                                                    u64 row_bytes, float mult) { KERNEL_START();  \
+        iq3sr_q8_impl<HRPW, KS>(w, xq, xs, y, in, out, row_bytes, mult);                                          \
+    }
+IQ3SR_Q8_SPLITK(2, 4)
+IQ3SR_Q8_SPLITK(1, 2)
+IQ3SR_Q8_SPLITK(2, 8)
+IQ3SR_Q8_SPLITK(1, 4)
+IQ3SR_Q8_SPLITK(1, 8)

@@ -790,6 +790,166 @@ fn records_matvec_variants_agree() {
     f.set_records_kernel(RecordsKernel::Auto);
 }
 
+/// IQ3_S records (backend/cuda/iq3s_records.rs) on the fast path: the records matvec (plain,
+/// as planned, and every split-K variant a shape allows) against the CPU on the dequantized
+/// matrix (int8 activations: within 1% of the output scale), against the block-layout kernel
+/// `quant_matvec_iq3s_q8` (`set_iq3s_records(false)`, the same int8 arithmetic: within 0.1%,
+/// as the two quantize x with differently rounded reciprocals) and against each other (the same
+/// integer sums added in another order); the generic decode of records (several rows, prefill,
+/// embedding rows, routed experts) against the CPU; a producer's int8 copy; and widths that are
+/// not whole records staying on the block kernel.
+#[test]
+fn iq3s_records_matvec_matches_block_kernel_and_cpu() {
+    use capy_engine::backend::cpu::experts::format::RowFormat;
+    use capy_engine::backend::cpu::experts::random_blocks;
+    use capy_engine::backend::cuda::{RecordsKernel, IQ3SR_SPLITK};
+    use capy_engine::backend::{ExpertMatrices, MoeRouting};
+    use capy_engine::quant::GgmlType as G;
+    const IQ3S: RowFormat = RowFormat::Ggml(G::Iq3S);
+    let Some(f) = fast_gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(53);
+    // Rows that are not a multiple of a block's 32 (or of 2), 1, 2, 5, 6 and 17 records, and
+    // 2560 columns (not whole records: the block kernel either way). 34816 rows: more blocks
+    // than one wave, the plain kernel without its unrolled record loop.
+    for (rows, cols) in [
+        (34816, 1024),
+        (1037, 1024),
+        (70, 2048),
+        (1037, 5120),
+        (515, 6144),
+        (1037, 17408),
+        (37, 2560),
+    ] {
+        let blocks = random_blocks(IQ3S, rows * cols / 256, rows as u64 * 7 + cols as u64);
+        let mc = c.quant_matrix(IQ3S, rows, cols, &blocks, 1.0).unwrap();
+        f.set_iq3s_records(false);
+        let mb = f.quant_matrix(IQ3S, rows, cols, &blocks, 1.0).unwrap();
+        f.set_iq3s_records(true);
+        let mf = f.quant_matrix(IQ3S, rows, cols, &blocks, 1.0).unwrap();
+        assert_eq!(mf.quant_format(), Some(IQ3S));
+        assert_eq!(mf.bytes(), blocks.len(), "records keep the block bytes");
+        let x = r.vec(cols, 1.0);
+        let (xc, xf) = pair(&f, 1, cols, &x);
+        let want = c.linear(&xc, &mc).data;
+        let blocked = f.to_host(&f.linear(&xf, &mb));
+        let (worst, scale) = deviation(&blocked, &want);
+        assert!(
+            worst <= 0.01 * scale,
+            "block kernel {rows}x{cols}: {worst} (scale {scale})"
+        );
+        f.set_records_kernel(RecordsKernel::Plain);
+        let plain = f.to_host(&f.linear(&xf, &mf));
+        let (worst, scale) = deviation(&plain, &want);
+        println!("iq3s records {rows}x{cols}: max |Δ| against the CPU {worst:.2e} of {scale:.2e}");
+        assert!(
+            worst <= 0.01 * scale,
+            "records {rows}x{cols} against the CPU: {worst} (scale {scale})"
+        );
+        let (worst, scale) = deviation(&plain, &blocked);
+        assert!(
+            worst <= 1e-3 * (1.0 + scale),
+            "records {rows}x{cols} against the block kernel: {worst} (scale {scale})"
+        );
+        if cols % 1024 != 0 {
+            assert_eq!(
+                plain, blocked,
+                "{rows}x{cols}: not records, the same kernel"
+            );
+        }
+        f.set_records_kernel(RecordsKernel::Auto);
+        let mut variants: Vec<(String, Vec<f32>)> =
+            vec![("planned".into(), f.to_host(&f.linear(&xf, &mf)))];
+        for k in IQ3SR_SPLITK {
+            if cols / 1024 < k.ks {
+                continue; // a half-warp with no records: never chosen
+            }
+            f.set_records_kernel(RecordsKernel::SplitK(k));
+            variants.push((k.name.into(), f.to_host(&f.linear(&xf, &mf))));
+        }
+        f.set_records_kernel(RecordsKernel::Auto);
+        for (name, got) in variants {
+            let (worst, scale) = deviation(&got, &plain);
+            assert!(
+                worst <= 1e-5 * (1.0 + scale),
+                "{name} {rows}x{cols} against the plain kernel: {worst} (scale {scale})"
+            );
+        }
+        // The generic decode of records (several rows: the f32 matvec; a prefill: the BF16 GEMM
+        // of dequantized rows) gives the block layout's values bit for bit, and stays near the
+        // CPU (the f32 sums of up to 17408 terms in another order: 1e-6 of the output scale).
+        for n in [3, 40] {
+            let xn = r.vec(n * cols, 1.0);
+            let (xnc, xnf) = pair(&f, n, cols, &xn);
+            let got = f.to_host(&f.linear(&xnf, &mf));
+            assert_eq!(
+                got,
+                f.to_host(&f.linear(&xnf, &mb)),
+                "iq3s records {n}x{cols} → {rows} against blocks"
+            );
+            let (worst, scale) = deviation(&got, &c.linear(&xnc, &mc).data);
+            let bound = if n == 40 { 0.01 * scale } else { 1e-6 * scale };
+            assert!(
+                worst <= bound,
+                "iq3s records {n}x{cols} → {rows} against the CPU: {worst} (scale {scale})"
+            );
+        }
+        let ids = [3u32, 0, (rows - 1) as u32, 3];
+        assert_close(
+            &f.to_host(&f.embedding(&mf, &ids)),
+            &c.embedding(&mc, &ids).data,
+            &format!("iq3s records embedding {rows}x{cols}"),
+        );
+    }
+
+    // A norm's int8 copy read by the IQ3_S records matvec, bit-identical to quantizing in the
+    // matvec.
+    let blocks = random_blocks(IQ3S, 70 * 5120 / 256, 5);
+    let m = f.quant_matrix(IQ3S, 70, 5120, &blocks, 1.0).unwrap();
+    let (x, w) = (r.vec(5120, 3.0), r.vec(5120, 0.5));
+    let wf = f.vector(&w).unwrap();
+    let normed = f.rms_norm(&f.from_host(1, 5120, &x), &wf, 1e-6, NormScale::Plain, 5120);
+    assert!(
+        normed.has_int8_copy(),
+        "rms_norm leaves no int8 copy with IQ3_S records loaded"
+    );
+    let requantized = f.from_host(1, 5120, &f.to_host(&normed));
+    assert_eq!(
+        f.to_host(&f.linear(&normed, &m)),
+        f.to_host(&f.linear(&requantized, &m)),
+        "IQ3_S records matvec on the producer's int8 copy"
+    );
+
+    // Routed experts with IQ3_S records (hidden 1024) go through the grouped quantized
+    // kernels (kernels/moe_quant.cu).
+    let (hidden, inter, count) = (1024usize, 128usize, 6usize);
+    let (mut ec, mut ef) = (Vec::new(), Vec::new());
+    for e in 0..count as u64 {
+        let gu = random_blocks(IQ3S, 2 * inter * hidden / 256, 300 + e);
+        let down = random_blocks(RowFormat::Ggml(G::Q8_0), hidden * inter / 32, 400 + e);
+        let q8 = RowFormat::Ggml(G::Q8_0);
+        ec.push(ExpertMatrices {
+            gate_up: c.quant_matrix(IQ3S, 2 * inter, hidden, &gu, 0.01).unwrap(),
+            down: c.quant_matrix(q8, hidden, inter, &down, 0.02).unwrap(),
+        });
+        ef.push(ExpertMatrices {
+            gate_up: f.quant_matrix(IQ3S, 2 * inter, hidden, &gu, 0.01).unwrap(),
+            down: f.quant_matrix(q8, hidden, inter, &down, 0.02).unwrap(),
+        });
+    }
+    for n in [1usize, 5] {
+        let logits = r.vec(n * count, 2.0);
+        let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), 2, true);
+        let (xc, xf) = pair(&f, n, hidden, &r.vec(n * hidden, 1.0));
+        let want = c.moe_experts(&xc, &routing, &ec).data;
+        let (worst, scale) = deviation(&f.to_host(&f.moe_experts(&xf, &routing, &ef)), &want);
+        assert!(
+            worst <= 0.01 * scale,
+            "moe_experts iq3s records/q8_0 {n} rows: {worst} (scale {scale})"
+        );
+    }
+}
+
 /// On the fast path the one-row producers of a records matvec's input (the norms, the gated
 /// norm, SwiGLU, the attention output gate) write its int8 copy themselves: the matvec then
 /// skips `quantize_x_q8r`, and its output must be bit-identical to quantizing separately. An

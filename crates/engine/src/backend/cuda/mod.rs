@@ -18,6 +18,7 @@ pub mod bench;
 pub mod flash_next;
 pub mod graph;
 mod host_pin;
+mod iq3s_records;
 pub mod kernels;
 pub mod mailbox;
 mod nvfp4_records;
@@ -67,69 +68,100 @@ const QMV8_WARPS: usize = 16;
 /// Rows per warp and warps per block of the NVFP4 records matvec (kernels/quant_matvec.cu
 /// `quant_matvec_nvfp4r_q8_*`; tools/cuda_microbench measures the alternatives).
 const NVFP4R_ROWS_PER_WARP: usize = 2;
-/// The records kernel of `NVFP4R_ROWS_PER_WARP` rows (named once: no string built per call).
-const NVFP4R_KERNEL: &str = "quant_matvec_nvfp4r_q8_2";
 const NVFP4R_WARPS: usize = 8;
 
-/// A records matvec with each row's records split over `ks` warps (kernels/quant_matvec.cu
-/// `quant_matvec_nvfp4r_q8k_*`): `rpw` rows a warp, `8 / ks` row groups a block.
+/// A records matvec with each row's records split over `ks` slices of a 256-thread block
+/// (`RecordsFamily::slices`: warps for NVFP4, `quant_matvec_nvfp4r_q8k_*`; half-warps for
+/// IQ3_S, `quant_matvec_iq3sr_q8k_*`): `rpw` rows a slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Nvfp4rSplitK {
+pub struct RecordsSplitK {
     pub name: &'static str,
     pub rpw: usize,
     pub ks: usize,
 }
 
+const fn splitk(name: &'static str, rpw: usize, ks: usize) -> RecordsSplitK {
+    RecordsSplitK { name, rpw, ks }
+}
+
 /// In order of preference: more rows a warp (fewer x reloads), fewer warps a row (less to add).
-pub const NVFP4R_SPLITK: [Nvfp4rSplitK; 6] = [
-    Nvfp4rSplitK {
-        name: "quant_matvec_nvfp4r_q8k_2_2",
-        rpw: 2,
-        ks: 2,
-    },
-    Nvfp4rSplitK {
-        name: "quant_matvec_nvfp4r_q8k_2_4",
-        rpw: 2,
-        ks: 4,
-    },
-    Nvfp4rSplitK {
-        name: "quant_matvec_nvfp4r_q8k_1_2",
-        rpw: 1,
-        ks: 2,
-    },
-    Nvfp4rSplitK {
-        name: "quant_matvec_nvfp4r_q8k_1_4",
-        rpw: 1,
-        ks: 4,
-    },
-    Nvfp4rSplitK {
-        name: "quant_matvec_nvfp4r_q8k_2_8",
-        rpw: 2,
-        ks: 8,
-    },
-    Nvfp4rSplitK {
-        name: "quant_matvec_nvfp4r_q8k_1_8",
-        rpw: 1,
-        ks: 8,
-    },
+pub const NVFP4R_SPLITK: [RecordsSplitK; 6] = [
+    splitk("quant_matvec_nvfp4r_q8k_2_2", 2, 2),
+    splitk("quant_matvec_nvfp4r_q8k_2_4", 2, 4),
+    splitk("quant_matvec_nvfp4r_q8k_1_2", 1, 2),
+    splitk("quant_matvec_nvfp4r_q8k_1_4", 1, 4),
+    splitk("quant_matvec_nvfp4r_q8k_2_8", 2, 8),
+    splitk("quant_matvec_nvfp4r_q8k_1_8", 1, 8),
 ];
 
-/// The split-K records kernel for a `[rows, cols]` matrix, or `None` where the plain one
-/// (`NVFP4R_ROWS_PER_WARP` rows a warp) already gives every SM a full load of 8 blocks. The
-/// first variant (in `NVFP4R_SPLITK` order) that reaches 8 blocks an SM with at least 2
-/// records a warp; failing that, the one with the most blocks.
-pub fn nvfp4r_splitk_plan(
+/// IQ3_S records, a half-warp a slice, in order of preference: one row a half-warp first. On
+/// an H100 (tools/cuda_microbench/iq3s_records_bench.cu) the 5120-row matrices of the 27B read
+/// at 1.66 TB/s with `_1_2` and `_1_4`, 1.46 to 1.56 with two rows a half-warp.
+pub const IQ3SR_SPLITK: [RecordsSplitK; 5] = [
+    splitk("quant_matvec_iq3sr_q8k_1_2", 1, 2),
+    splitk("quant_matvec_iq3sr_q8k_1_4", 1, 4),
+    splitk("quant_matvec_iq3sr_q8k_2_4", 2, 4),
+    splitk("quant_matvec_iq3sr_q8k_2_8", 2, 8),
+    splitk("quant_matvec_iq3sr_q8k_1_8", 1, 8),
+];
+
+/// One format's records matvecs (kernels/quant_matvec.cu): `slices` (warps or half-warps) a
+/// 256-thread block, the plain kernel (`plain_rpw` rows a slice, one pass over the rows), the
+/// split-K variants, and the blocks an SM from which the plain kernel needs no split.
+/// `plain_one_wave`: the plain kernel with more loads in flight and the blocks an SM up to
+/// which it replaces `plain`.
+struct RecordsFamily {
+    slices: usize,
+    plain: &'static str,
+    plain_rpw: usize,
+    splitk: &'static [RecordsSplitK],
+    full_blocks_per_sm: usize,
+    plain_one_wave: Option<(&'static str, usize)>,
+}
+
+const NVFP4R_FAMILY: RecordsFamily = RecordsFamily {
+    slices: NVFP4R_WARPS,
+    plain: "quant_matvec_nvfp4r_q8_2",
+    plain_rpw: NVFP4R_ROWS_PER_WARP,
+    splitk: &NVFP4R_SPLITK,
+    full_blocks_per_sm: 8,
+    plain_one_wave: None,
+};
+
+/// Two rows a half-warp (64 registers on sm_90): on an H100 the 27B's gate_up reads at
+/// 2.02 TB/s against 1.85 with one row, and the plain kernel stays ahead of every split down to
+/// 448 blocks (3.4 an SM: 1.66 against 1.54 TB/s for the 14336-row projection). Up to 4 blocks
+/// an SM (one wave at 64 registers) the record loop unrolled twice: 2.08 against 1.72 TB/s for
+/// the 16480-row projection, 1.85 against 1.64 for the 14336-row one, while the 1088 blocks of
+/// gate_up read at 1.86 against 2.03 with it.
+const IQ3SR_FAMILY: RecordsFamily = RecordsFamily {
+    slices: 16,
+    plain: "quant_matvec_iq3sr_q8_2",
+    plain_rpw: 2,
+    splitk: &IQ3SR_SPLITK,
+    full_blocks_per_sm: 3,
+    plain_one_wave: Some(("quant_matvec_iq3sr_q8_2_unroll2", 4)),
+};
+
+/// The split-K records kernel of `family` for a `[rows, cols]` matrix, or `None` where the
+/// plain one already gives every SM a full load (`full_blocks_per_sm`). The first variant (in
+/// order of preference) that reaches a full load with at least 2 records a slice; failing that,
+/// the one with the most blocks.
+fn records_splitk_plan(
+    family: &RecordsFamily,
     rows: usize,
     cols: usize,
     multiprocessors: usize,
-) -> Option<Nvfp4rSplitK> {
-    let full = 8 * multiprocessors.max(1);
-    let blocks = |rpw: usize, ks: usize| ceil_div(rows, rpw * (NVFP4R_WARPS / ks));
-    if blocks(NVFP4R_ROWS_PER_WARP, 1) >= full {
+) -> Option<RecordsSplitK> {
+    let full = family.full_blocks_per_sm * multiprocessors.max(1);
+    let blocks = |rpw: usize, ks: usize| ceil_div(rows, rpw * (family.slices / ks));
+    let plain = blocks(family.plain_rpw, 1);
+    if plain >= full {
         return None;
     }
     let records = cols / 1024;
-    let fits: Vec<Nvfp4rSplitK> = NVFP4R_SPLITK
+    let fits: Vec<RecordsSplitK> = family
+        .splitk
         .iter()
         .copied()
         .filter(|k| records >= 2 * k.ks)
@@ -142,18 +174,43 @@ pub fn nvfp4r_splitk_plan(
                 .copied()
                 .max_by_key(|k| (blocks(k.rpw, k.ks), std::cmp::Reverse(k.ks)))
         })
-        .filter(|k| blocks(k.rpw, k.ks) > blocks(NVFP4R_ROWS_PER_WARP, 1))
+        .filter(|k| blocks(k.rpw, k.ks) > plain)
 }
 
-/// Which NVFP4 records matvec one-row products take.
+/// The NVFP4 records plan (`records_splitk_plan`; the plain kernel takes
+/// `NVFP4R_ROWS_PER_WARP` rows a warp).
+pub fn nvfp4r_splitk_plan(
+    rows: usize,
+    cols: usize,
+    multiprocessors: usize,
+) -> Option<RecordsSplitK> {
+    records_splitk_plan(&NVFP4R_FAMILY, rows, cols, multiprocessors)
+}
+
+/// The IQ3_S records plan (`records_splitk_plan`; the plain kernel takes two rows a half-warp).
+pub fn iq3sr_splitk_plan(
+    rows: usize,
+    cols: usize,
+    multiprocessors: usize,
+) -> Option<RecordsSplitK> {
+    records_splitk_plan(&IQ3SR_FAMILY, rows, cols, multiprocessors)
+}
+
+/// Which records matvec one-row products take (NVFP4 and IQ3_S alike).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordsKernel {
-    /// Split-K where `nvfp4r_splitk_plan` says so (the default).
+    /// Split-K where the format's plan says so (the default).
     Auto,
     /// The plain kernel for every shape.
     Plain,
-    /// This split-K variant for every shape (tests).
-    SplitK(Nvfp4rSplitK),
+    /// This split-K variant (of `NVFP4R_SPLITK` or `IQ3SR_SPLITK`) for every shape of its
+    /// format; the other format plans as in `Auto` (tests).
+    SplitK(RecordsSplitK),
+}
+
+/// Every split-K variant, as `records_kernel_code` numbers them.
+fn all_splitk() -> impl Iterator<Item = &'static RecordsSplitK> {
+    NVFP4R_SPLITK.iter().chain(IQ3SR_SPLITK.iter())
 }
 
 fn records_kernel_code(k: RecordsKernel) -> u64 {
@@ -161,11 +218,22 @@ fn records_kernel_code(k: RecordsKernel) -> u64 {
         RecordsKernel::Auto => 0,
         RecordsKernel::Plain => 1,
         RecordsKernel::SplitK(v) => {
-            2 + NVFP4R_SPLITK
-                .iter()
+            2 + all_splitk()
                 .position(|x| *x == v)
-                .expect("a variant of NVFP4R_SPLITK") as u64
+                .expect("a variant of NVFP4R_SPLITK or IQ3SR_SPLITK") as u64
         }
+    }
+}
+
+fn records_kernel_of(code: u64) -> RecordsKernel {
+    match code {
+        0 => RecordsKernel::Auto,
+        1 => RecordsKernel::Plain,
+        v => RecordsKernel::SplitK(
+            *all_splitk()
+                .nth(v as usize - 2)
+                .expect("a records_kernel_code"),
+        ),
     }
 }
 
@@ -174,7 +242,8 @@ fn pdl_enabled() -> bool {
     std::env::var("CAPY_PDL").map_or(true, |v| v != "0")
 }
 
-/// `CAPY_NVFP4R_SPLITK=0` keeps the plain records kernel for every shape (for comparisons).
+/// `CAPY_NVFP4R_SPLITK=0` keeps the plain records kernels (NVFP4 and IQ3_S) for every shape
+/// (for comparisons).
 fn nvfp4r_splitk_enabled() -> bool {
     std::env::var("CAPY_NVFP4R_SPLITK").map_or(true, |v| v != "0")
 }
@@ -319,7 +388,11 @@ struct Inner {
     synthetic_quant: Mutex<Option<RowFormat>>,
     /// NVFP4 matrices uploaded from now on are repacked into records (nvfp4_records.rs).
     nvfp4_records: std::sync::atomic::AtomicBool,
-    /// Some matrix was repacked into NVFP4 records: one-row producers write int8 copies.
+    /// IQ3_S matrices uploaded from now on are repacked into records on the fast path
+    /// (iq3s_records.rs).
+    iq3s_records: std::sync::atomic::AtomicBool,
+    /// Some matrix was repacked into NVFP4 or IQ3_S records: one-row producers write int8
+    /// copies.
     records_loaded: std::sync::atomic::AtomicBool,
     /// Which records matvec a one-row product takes (`RecordsKernel`, as `records_kernel_code`).
     records_kernel: AtomicU64,
@@ -448,7 +521,7 @@ pub struct CudaTensor {
     cols: usize,
     capacity: usize,
     buf: DevBuf,
-    /// The int8 copy of a one-row tensor for the NVFP4 records matvec (`quantize_x_q8r`'s
+    /// The int8 copy of a one-row tensor for the records matvecs (`quantize_x_q8r`'s
     /// layout), written by the kernel that produced the tensor on the fast path so that the
     /// matvecs reading it skip their quantize launch. Dropped by every in-place write.
     q8: Option<DevBuf>,
@@ -540,6 +613,13 @@ const QF_NVFP4: i32 = 2;
 /// kernels/quant_matvec.cu `QF_NVFP4R`: NVFP4 repacked into records at upload
 /// (backend/cuda/nvfp4_records.rs).
 const QF_NVFP4R: i32 = 8;
+/// kernels/quant_matvec.cu `QF_IQ3_S`: IQ3_S in GGUF's 110-byte blocks.
+const QF_IQ3_S: i32 = 3;
+/// kernels/quant_matvec.cu `QF_IQ3SR`: IQ3_S repacked into records at upload
+/// (backend/cuda/iq3s_records.rs).
+const QF_IQ3SR: i32 = 9;
+// The producers' int8 copies (`wants_q8`) serve both records formats: one record width.
+const _: () = assert!(nvfp4_records::RECORD_WEIGHTS == iq3s_records::RECORD_WEIGHTS);
 
 /// The quant_matvec.cu code of a block format, if the kernels decode it.
 fn quant_code(format: RowFormat) -> Option<i32> {
@@ -547,7 +627,7 @@ fn quant_code(format: RowFormat) -> Option<i32> {
     Some(match format {
         RowFormat::Ggml(G::Q8_0) => 1,
         RowFormat::Nvfp4 => QF_NVFP4,
-        RowFormat::Ggml(G::Iq3S) => 3,
+        RowFormat::Ggml(G::Iq3S) => QF_IQ3_S,
         RowFormat::Ggml(G::Iq3Xxs) => 4,
         RowFormat::Ggml(G::Iq2Xs) => 5,
         RowFormat::Ggml(G::Q2_0) => 6,
@@ -830,6 +910,7 @@ impl CudaBackend {
                 matrix_elems: AtomicU64::new(0),
                 synthetic_quant: Mutex::new(None),
                 nvfp4_records: std::sync::atomic::AtomicBool::new(nvfp4_records::enabled_by_env()),
+                iq3s_records: std::sync::atomic::AtomicBool::new(iq3s_records::enabled_by_env()),
                 records_loaded: std::sync::atomic::AtomicBool::new(false),
                 pdl: cc.0 >= 9 && pdl_enabled(),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
@@ -874,6 +955,13 @@ impl CudaBackend {
     /// layout.
     pub fn set_nvfp4_records(&self, on: bool) {
         self.inner.nvfp4_records.store(on, Ordering::Relaxed);
+    }
+
+    /// Repack IQ3_S matrices uploaded from now on into records for the IQ3_S records matvec
+    /// (default: on, `CAPY_IQ3S_RECORDS=0` turns it off; exact math never repacks, as only the
+    /// int8 matvec reads records); matrices already uploaded keep their layout.
+    pub fn set_iq3s_records(&self, on: bool) {
+        self.inner.iq3s_records.store(on, Ordering::Relaxed);
     }
 
     /// For synthetic benchmarks: from now on every uploaded projection matrix (2-D, not the
@@ -1157,8 +1245,8 @@ impl CudaBackend {
     }
 
     /// `alloc_act(1, cols, 1)` with room for the int8 copy when a records matvec may read it
-    /// (the fast path, NVFP4 records loaded, a width the records kernel takes); otherwise
-    /// `alloc_act(rows, cols, rows)`.
+    /// (the fast path, NVFP4 or IQ3_S records loaded, a width the records kernels take);
+    /// otherwise `alloc_act(rows, cols, rows)`.
     fn alloc_act_q8(&self, rows: usize, cols: usize) -> CudaTensor {
         let mut t = self.alloc_act(rows, cols, rows);
         if self.wants_q8(rows, cols) {
@@ -1393,16 +1481,10 @@ impl CudaBackend {
         !self.inner.exact && x.rows == 1 && w.cols.is_multiple_of(256) && w.cols <= QMV8_MAX_COLS
     }
 
-    /// `out = x · wᵀ` for one row of x and NVFP4 records: x quantized to int8 once (into a
-    /// scratch buffer every warp reads through L1), then the records matvec, `NVFP4R_ROWS_PER_WARP`
-    /// rows a warp, one pass of warps over the rows.
-    fn nvfp4_records_matvec(
-        &self,
-        x: &CudaTensor,
-        w: &CudaMatrix,
-        q: QuantLayout,
-        out: &CudaTensor,
-    ) {
+    /// `out = x · wᵀ` for one row of x and NVFP4 or IQ3_S records: x quantized to int8 once
+    /// (into a scratch buffer every warp reads through L1) unless its producer left the copy,
+    /// then the format's records matvec, plain or split-K, one pass over the rows.
+    fn records_matvec(&self, x: &CudaTensor, w: &CudaMatrix, q: QuantLayout, out: &CudaTensor) {
         let groups = w.cols / 32;
         // Plane A and B (cols bytes), then a scale per group of 32: the producer's copy, or
         // quantized here.
@@ -1417,20 +1499,30 @@ impl CudaBackend {
             }
             fused => fused,
         };
+        let family = if q.code == QF_IQ3SR {
+            &IQ3SR_FAMILY
+        } else {
+            &NVFP4R_FAMILY
+        };
         let sms = self.inner.info.multiprocessors.max(1) as usize;
-        let splitk = match self.inner.records_kernel.load(Ordering::Relaxed) {
-            0 => nvfp4r_splitk_plan(w.rows, w.cols, sms),
-            1 => None,
-            v => Some(NVFP4R_SPLITK[v as usize - 2]),
+        let plan = || records_splitk_plan(family, w.rows, w.cols, sms);
+        let splitk = match records_kernel_of(self.inner.records_kernel.load(Ordering::Relaxed)) {
+            RecordsKernel::Auto => plan(),
+            RecordsKernel::Plain => None,
+            RecordsKernel::SplitK(k) if family.splitk.contains(&k) => Some(k),
+            RecordsKernel::SplitK(_) => plan(),
         };
         let (kernel, blocks) = match splitk {
-            Some(k) => (k.name, ceil_div(w.rows, k.rpw * (NVFP4R_WARPS / k.ks))),
-            None => (
-                NVFP4R_KERNEL,
-                ceil_div(ceil_div(w.rows, NVFP4R_ROWS_PER_WARP), NVFP4R_WARPS),
-            ),
+            Some(k) => (k.name, ceil_div(w.rows, k.rpw * (family.slices / k.ks))),
+            None => {
+                let blocks = ceil_div(w.rows, family.plain_rpw * family.slices);
+                match family.plain_one_wave {
+                    Some((name, per_sm)) if blocks <= per_sm * sms => (name, blocks),
+                    _ => (family.plain, blocks),
+                }
+            }
         };
-        launch!(self, kernel, (blocks as u32, 1, 1), (32 * NVFP4R_WARPS as u32, 1, 1), 0;
+        launch!(self, kernel, (blocks as u32, 1, 1), (256, 1, 1), 0;
             w.buf.ptr, planes, scales, out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
     }
 
@@ -1451,7 +1543,7 @@ impl CudaBackend {
         let (name, sb_bytes, table_bytes) = match q.format {
             RowFormat::Nvfp4 if q.code == QF_NVFP4 => ("quant_matvec_nvfp4_q8", 144, 1024),
             // Grid table, sign masks and one 32-block staging buffer per warp.
-            RowFormat::Ggml(G::Iq3S) => {
+            RowFormat::Ggml(G::Iq3S) if q.code == QF_IQ3_S => {
                 ("quant_matvec_iq3s_q8", 110, 2048 + 64 + QMV8_WARPS * 3520)
             }
             _ => return None,
@@ -2000,6 +2092,16 @@ impl Backend for CudaBackend {
             self.htod(buf.ptr, &nvfp4_records::to_records(blocks, cols));
             self.inner.records_loaded.store(true, Ordering::Relaxed);
             QF_NVFP4R
+        } else if code == QF_IQ3_S
+            && iq3s_records::applies(cols)
+            && self.inner.iq3s_records.load(Ordering::Relaxed)
+            && !self.inner.exact
+            // The kernels find each record's body by its address (iq3s_records.rs).
+            && buf.ptr.is_multiple_of(16)
+        {
+            self.htod(buf.ptr, &iq3s_records::to_records(blocks, cols));
+            self.inner.records_loaded.store(true, Ordering::Relaxed);
+            QF_IQ3SR
         } else {
             self.htod(buf.ptr, blocks);
             code
@@ -2204,9 +2306,9 @@ impl Backend for CudaBackend {
         }
         if let Some(q) = w
             .quant
-            .filter(|q| q.code == QF_NVFP4R && self.fast_single_row(x, w))
+            .filter(|q| (q.code == QF_NVFP4R || q.code == QF_IQ3SR) && self.fast_single_row(x, w))
         {
-            self.nvfp4_records_matvec(x, w, q, &out);
+            self.records_matvec(x, w, q, &out);
         } else if let Some((name, smem, rpw)) = w.quant.and_then(|q| self.int8_matvec_plan(x, w, q))
         {
             let q = w.quant.expect("checked");
@@ -2404,8 +2506,21 @@ impl Backend for CudaBackend {
     fn silu_scaled(&self, x: &CudaTensor, scale: f32) -> CudaTensor {
         self.fn_silu_scaled(x, scale)
     }
+    fn silu_scaled_cols(&self, x: &CudaTensor, cols: Range<usize>, scale: f32) -> CudaTensor {
+        self.fn_silu_scaled_cols(x, cols, scale)
+    }
     fn hc_mix(&self, normed: &CudaTensor, mix_logits: &CudaTensor, streams: usize) -> CudaTensor {
         self.fn_hc_mix(normed, mix_logits, streams)
+    }
+    fn hc_inject_cols(
+        &self,
+        residual: &CudaTensor,
+        out: &CudaTensor,
+        logits: &CudaTensor,
+        first_col: usize,
+        streams: usize,
+    ) -> CudaTensor {
+        self.fn_hc_inject_cols(residual, out, logits, first_col, streams)
     }
     fn hc_inject(
         &self,
@@ -2795,6 +2910,37 @@ mod tests {
                     assert!(NVFP4R_WARPS.is_multiple_of(k.ks));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn few_row_iq3s_records_matvecs_split_rows_over_half_warps() {
+        let plan = |rows, cols| iq3sr_splitk_plan(rows, cols, 132).map(|k| (k.rpw, k.ks));
+        // The 27B on an H100 (3 blocks an SM: 396): the plain kernel (32 rows a block) takes
+        // gate_up (1088 blocks) and the 5-record projections (515 and 448 blocks); the
+        // 5120-row down and output projections take a row a half-warp over two (640 blocks).
+        assert_eq!(plan(34816, 5120), None);
+        assert_eq!(plan(14336, 5120), None);
+        assert_eq!(plan(16480, 5120), None);
+        assert_eq!(plan(5120, 17408), Some((1, 2)));
+        assert_eq!(plan(5120, 6144), Some((1, 2)));
+        // Fewer rows: more slices a row.
+        assert_eq!(plan(2048, 17408), Some((1, 4)));
+        // One record: no split leaves every half-warp 2 records.
+        assert_eq!(plan(70, 1024), None);
+        for rows in [1, 7, 70, 5120, 100_000] {
+            for cols in [1024, 2048, 5120, 17408, 32768] {
+                if let Some(k) = iq3sr_splitk_plan(rows, cols, 132) {
+                    assert!(cols / 1024 >= 2 * k.ks, "{rows}x{cols}: {k:?}");
+                    assert!(IQ3SR_FAMILY.slices.is_multiple_of(k.ks));
+                    assert!(IQ3SR_SPLITK.contains(&k));
+                }
+            }
+        }
+        // Every variant of both formats has its own code.
+        for k in NVFP4R_SPLITK.iter().chain(&IQ3SR_SPLITK) {
+            let code = records_kernel_code(RecordsKernel::SplitK(*k));
+            assert_eq!(records_kernel_of(code), RecordsKernel::SplitK(*k));
         }
     }
 
