@@ -24,16 +24,17 @@
 //! dequantising a row into the worker's scratch and dotting it in f32 (both paths).
 //!
 //! Activations are prepared once per call ([`prepare`]) into the layout the kernels read:
-//! NVFP4 exact: nibble-major per block (AVX2) or per two blocks (AVX-512), see
-//! [`ActSpec::slot`]; NVFP4 fast: per 128 values, the 64 even then the 64 odd ones; Q2_0: per 64 values, value
-//! `4b + j` at `16j + b` (the `j`-th 2-bit field of byte `b`); otherwise natural order.
+//! NVFP4 exact: per block, even values then odd ones in the order of the AVX2 kernel's byte
+//! unpacks, or nibble-major per two blocks (AVX-512), see [`ActSpec::slot`]; NVFP4 fast: per
+//! 128 values, the 64 even then the 64 odd ones; Q2_0: per 64 values, value `4b + j` at
+//! `16j + b` (the `j`-th 2-bit field of byte `b`); otherwise natural order.
 
 use super::format::{dequantize_row, RowFormat};
 use crate::backend::cpu::simd::Isa;
 use crate::quant::fp8::E4M3_TO_F32;
 use crate::quant::ggml::GgmlType;
 use crate::quant::iq_tables::IQ3S_GRID;
-use crate::quant::nvfp4::E2M1_DOUBLED;
+use crate::quant::nvfp4::{E2M1_DOUBLED, E2M1_TO_F32};
 use std::sync::OnceLock;
 
 /// Which arithmetic the expert kernels use.
@@ -178,17 +179,24 @@ impl ActSpec {
                 let (base, r) = (i / 128 * 128, i % 128);
                 base + if r % 2 == 0 { r / 2 } else { 64 + r / 2 }
             }
-            // Exact: the kernels read a block's 32 code bytes as 8 u32 lanes and shift nibble
-            // `s` of every lane into the index bits, so value `8l + s` of a block sits at
-            // `8s + l`; AVX-512 takes two blocks side by side (lanes 8–15 the second), value
-            // `64j + 8l + s` of the pair at `16s + 8j + l`, and an odd last block alone.
+            // Exact, AVX-512: the kernel reads a block's 32 code bytes as 8 u32 lanes and
+            // shifts nibble `s` of every lane into the index bits, two blocks side by side
+            // (lanes 8–15 the second): value `64j + 8l + s` of the pair at `16s + 8j + l`; an
+            // odd last block alone, value `8l + s` at `8s + l`. AVX2: value `2i + h` (nibble
+            // `h` of code byte `i`) in vector `4h + r` at lane `4q + c`, where `i = 16q + 4r + c`
+            // (see `nvfp4_exact_avx2`).
             (_, RowFormat::Nvfp4) => {
                 if self.isa == Isa::Avx512 && i / 128 * 128 + 128 <= self.k {
                     let (base, r) = (i / 128 * 128, i % 128);
                     base + 16 * (r % 8) + 8 * (r / 64) + (r % 64) / 8
-                } else {
+                } else if self.isa == Isa::Avx512 {
                     let (base, r) = (i / 64 * 64, i % 64);
                     base + 8 * (r % 8) + r / 8
+                } else {
+                    let (base, r) = (i / 64 * 64, i % 64);
+                    let (byte, h) = (r / 2, r % 2);
+                    let (q, r4, c) = (byte / 16, byte % 16 / 4, byte % 4);
+                    base + 8 * (4 * h + r4) + 4 * q + c
                 }
             }
             (_, RowFormat::Ggml(GgmlType::Q2_0)) => {
@@ -800,78 +808,106 @@ mod x86 {
 
     // ---- NVFP4 --------------------------------------------------------------------------
 
-    /// [`nvfp4_scales_avx512`] for the 8 lanes of one block (all lanes read the block's four
-    /// scale bytes, `dword`).
+    /// The two high bytes of the f32 of each E2M1 code (`[0]`: bits 24–31, `[1]`: bits
+    /// 16–23; code bit 3 is the sign, code 8 is −0 as in the scalar reference): every E2M1
+    /// value is a bfloat16, so its f32's low 16 bits are zero.
+    const E2M1_F32_HIGH_BYTES: [[u8; 16]; 2] = {
+        let mut t = [[0u8; 16]; 2];
+        let mut c = 0;
+        while c < 16 {
+            let bits = E2M1_TO_F32[c].to_bits();
+            assert!(bits & 0xffff == 0, "E2M1 values are bfloat16s");
+            t[0][c] = (bits >> 24) as u8;
+            t[1][c] = (bits >> 16) as u8;
+            c += 1;
+        }
+        t
+    };
+
+    /// The group scales of one NVFP4 block for [`nvfp4_exact_avx2`]: lanes 0–3 of the first
+    /// vector take group 0's, lanes 4–7 group 2's; the second vector groups 1 and 3. Each
+    /// scale byte is shifted to the top of its lane, then [`e4m3_by_bits`] in vector form.
     #[inline(always)]
-    unsafe fn nvfp4_scales_avx2(dword: i32) -> __m256 {
-        let top = _mm256_sllv_epi32(
-            _mm256_set1_epi32(dword),
-            _mm256_setr_epi32(24, 24, 16, 16, 8, 8, 0, 0),
-        );
-        let bits = _mm256_and_si256(
-            _mm256_srai_epi32::<4>(top),
-            _mm256_set1_epi32(0x87f0_0000u32 as i32),
-        );
-        _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(E4M3_BIAS_MULT))
+    unsafe fn nvfp4_scale_pairs_avx2(dword: i32) -> [__m256; 2] {
+        let dw = _mm256_set1_epi32(dword);
+        let convert = |top: __m256i| {
+            let bits = _mm256_and_si256(
+                _mm256_srai_epi32::<4>(top),
+                _mm256_set1_epi32(0x87f0_0000u32 as i32),
+            );
+            _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(E4M3_BIAS_MULT))
+        };
+        [
+            convert(_mm256_sllv_epi32(
+                dw,
+                _mm256_setr_epi32(24, 24, 24, 24, 8, 8, 8, 8),
+            )),
+            convert(_mm256_sllv_epi32(
+                dw,
+                _mm256_setr_epi32(16, 16, 16, 16, 0, 0, 0, 0),
+            )),
+        ]
     }
 
-    /// Exact NVFP4 on AVX2, one block per step, laid out as one half of
-    /// [`nvfp4_exact_avx512`]: the 32 code bytes as 8 u32 lanes, shifted by `4s` for nibble
-    /// `s`. `vpermps` reads only three index bits (the magnitude); the sign bit is applied by
-    /// xoring the index shifted left by 28, which also flips the magnitude bits 28–30 of the
-    /// f32, so the table holds each magnitude pre-xored with its own index at those bits
-    /// (three ops per 8 weights instead of the earlier widening, two permutes and six sign
-    /// ops per 16). Products are summed per lane (8 weights of one group) before the scale.
+    /// Exact NVFP4 on AVX2, one block per step. Every E2M1 value's f32 is its bfloat16 with
+    /// 16 zero bits below, so the weights are built by byte shuffles (which run on two ports,
+    /// where `vpermps` has one): `vpshufb` looks the two high bytes of each code's f32 up in
+    /// 16-entry tables, two `vpunpck*bw` pair them into 16-bit words and four `vpunpck*wd`
+    /// with zero place the words at the top of f32 lanes. Per 64 weights that is 3 ops to
+    /// split the nibbles, 4 lookups and 12 unpacks, against 7 shifts, 8 permutes and 16 sign
+    /// ops before (the sign is in the table). The unpacks work within 128-bit lanes, so a
+    /// vector holds 4 weights of the block's first half (lanes 0–3) and 4 of its second (4–7):
+    /// products are summed per lane (8 weights of one group) before the group scales. The
+    /// activations are laid out to match ([`ActSpec::slot`]).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn nvfp4_exact_avx2<const N: usize>(row: *const u8, k: usize, a: [P; N]) -> [f32; N] {
-        let table = _mm256_castsi256_ps(_mm256_xor_si256(
-            _mm256_castps_si256(_mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)),
-            _mm256_setr_epi32(
-                0,
-                1 << 28,
-                2 << 28,
-                3 << 28,
-                4 << 28,
-                5 << 28,
-                6 << 28,
-                7 << 28,
-            ),
-        ));
-        let w = |idx: __m256i| {
-            _mm256_xor_ps(
-                _mm256_permutevar8x32_ps(table, idx),
-                _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx)),
-            )
+        let table = |i: usize| {
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                E2M1_F32_HIGH_BYTES[i].as_ptr() as *const __m128i
+            ))
         };
-        let mut acc = [_mm256_setzero_ps(); N];
+        let (byte3, byte2) = (table(0), table(1));
+        let low = _mm256_set1_epi8(0x0f);
+        let zero = _mm256_setzero_si256();
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for b in 0..k / 64 {
             let blk = row.add(36 * b);
-            let c = _mm256_loadu_si256(blk.add(4) as *const __m256i);
-            let sv = nvfp4_scales_avx2((blk as *const i32).read_unaligned());
-            let w = [
-                w(c),
-                w(_mm256_srli_epi32::<4>(c)),
-                w(_mm256_srli_epi32::<8>(c)),
-                w(_mm256_srli_epi32::<12>(c)),
-                w(_mm256_srli_epi32::<16>(c)),
-                w(_mm256_srli_epi32::<20>(c)),
-                w(_mm256_srli_epi32::<24>(c)),
-                w(_mm256_srli_epi32::<28>(c)),
+            let v = _mm256_loadu_si256(blk.add(4) as *const __m256i);
+            let codes = [
+                _mm256_and_si256(v, low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
             ];
+            // w[4h + r]: nibble h (element 2i + h of byte i) of bytes 4r..4r+4 (lanes 0–3)
+            // and 16 + 4r..16 + 4r + 4 (lanes 4–7).
+            let mut w = [_mm256_setzero_ps(); 8];
+            for (h, c) in codes.iter().enumerate() {
+                let (hi, lo) = (
+                    _mm256_shuffle_epi8(byte3, *c),
+                    _mm256_shuffle_epi8(byte2, *c),
+                );
+                let (first, second) = (_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi));
+                w[4 * h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, first));
+                w[4 * h + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, first));
+                w[4 * h + 2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, second));
+                w[4 * h + 3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, second));
+            }
+            // Vectors r = 0, 1 hold groups 0 and 2; r = 2, 3 groups 1 and 3.
+            let scales = nvfp4_scale_pairs_avx2((blk as *const i32).read_unaligned());
             for t in 0..N {
                 let xp = a[t].f.add(64 * b);
-                let mut v0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
-                let mut v1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xp.add(8)));
-                for s in (2..8).step_by(2) {
-                    v0 = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(xp.add(8 * s)), v0);
-                    v1 = _mm256_fmadd_ps(w[s + 1], _mm256_loadu_ps(xp.add(8 * s + 8)), v1);
+                let x = |i: usize| _mm256_loadu_ps(xp.add(8 * i));
+                for (half, [r0, r1]) in [[0, 1], [2, 3]].into_iter().enumerate() {
+                    let mut v = _mm256_mul_ps(w[r0], x(r0));
+                    v = _mm256_fmadd_ps(w[r1], x(r1), v);
+                    v = _mm256_fmadd_ps(w[4 + r0], x(4 + r0), v);
+                    v = _mm256_fmadd_ps(w[4 + r1], x(4 + r1), v);
+                    acc[t][half] = _mm256_fmadd_ps(v, scales[half], acc[t][half]);
                 }
-                acc[t] = _mm256_fmadd_ps(_mm256_add_ps(v0, v1), sv, acc[t]);
             }
         }
         let mut out = [0f32; N];
         for t in 0..N {
-            out[t] = hsum256(acc[t]);
+            out[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
         }
         out
     }
