@@ -9,10 +9,15 @@ extern "C" __global__ void scale_cols(const float* x, const float* scale, float*
         out[i] = x[i] * scale[i % cols];
 }
 
-// out = silu(x · scale)
-extern "C" __global__ void silu_scaled(const float* x, float* out, u64 n, float scale) { KERNEL_START();
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        out[i] = silu_f(x[i] * scale);
+// out [rows, cols] = silu(x[:, col0 .. col0 + cols] · scale), x's rows `x_stride` apart (the
+// mixer's low-rank columns read in place from the fused projection).
+extern "C" __global__ void silu_scaled(const float* x, float* out, u64 rows, int cols, int x_stride, int col0,
+                                       float scale) { KERNEL_START();
+    const u64 n = rows * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / cols;
+        out[i] = silu_f(x[r * x_stride + col0 + (int)(i - r * cols)] * scale);
+    }
 }
 
 // normed, mix [rows, streams·h] → out [rows, h]: the mean over streams of sigmoid(mix)·normed.
@@ -30,15 +35,17 @@ extern "C" __global__ void hc_mix(const float* normed, const float* mix, float* 
     }
 }
 
-// res [rows, streams·h] = residual + out[r] · 2·sigmoid(logits[r, s] / streams) on stream s.
+// res [rows, streams·h] = residual + out[r] · 2·sigmoid(logits[r, col0 + s] / streams) on stream
+// s, the logits' rows `logit_stride` apart (read in place from the mixer's fused projection).
 extern "C" __global__ void hc_inject(const float* residual, const float* out, const float* logits, float* res, u64 rows,
-                                     int h, int streams) { KERNEL_START();
+                                     int h, int streams, int logit_stride, int col0) { KERNEL_START();
     const u64 n = rows * streams * h;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 rs = i / h;
         const int j = (int)(i - rs * h);
         const u64 r = rs / streams;
-        const float w = 2.0f * sigmoid_f(logits[rs] / (float)streams);
+        const int s = (int)(rs - r * streams);
+        const float w = 2.0f * sigmoid_f(logits[r * logit_stride + col0 + s] / (float)streams);
         res[i] = residual[i] + out[r * h + j] * w;
     }
 }

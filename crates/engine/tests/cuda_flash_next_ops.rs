@@ -124,6 +124,19 @@ fn hyper_connection_and_ple_ops_match_cpu() {
             &c.hc_inject(&xc, &oc, &lc, s).data,
             &format!("hc_inject {n}x{s}x{h}"),
         );
+        // The column-window forms read the mixer's fused projection in place.
+        let proj_cols = 7 + s + 3;
+        let (pc, pg) = pair(&g, n, proj_cols, &r.vec(n * proj_cols, 4.0));
+        assert_close(
+            &g.to_host(&g.silu_scaled_cols(&pg, 2..9, 0.25)),
+            &c.silu_scaled_cols(&pc, 2..9, 0.25).data,
+            &format!("silu_scaled_cols {n}x{proj_cols}"),
+        );
+        assert_close(
+            &g.to_host(&g.hc_inject_cols(&xg, &og, &pg, 7, s)),
+            &c.hc_inject_cols(&xc, &oc, &pc, 7, s).data,
+            &format!("hc_inject_cols {n}x{s}x{h}"),
+        );
         let (qc, qg) = pair(&g, n, wide, &r.vec(n * wide, 1.0));
         assert_close(
             &g.to_host(&g.ple_gate(&xg, &qg, &og, s)),

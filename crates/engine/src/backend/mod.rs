@@ -387,6 +387,11 @@ pub trait Backend: Send + Sync + 'static {
             &cpu::hyper::silu_scaled(&self.to_host(x), scale),
         )
     }
+    /// `silu(x[:, cols] · scale)`: [`Backend::silu_scaled`] of a column window (a backend may
+    /// read it in place instead of copying it out first).
+    fn silu_scaled_cols(&self, x: &Self::Act, cols: Range<usize>, scale: f32) -> Self::Act {
+        self.silu_scaled(&self.cols(x, cols), scale)
+    }
     /// Hyper-connection read-out: the mean over `streams` of `sigmoid(mix) · normed`, both
     /// `[n, streams·h]`; returns `[n, h]`.
     fn hc_mix(&self, normed: &Self::Act, mix_logits: &Self::Act, streams: usize) -> Self::Act {
@@ -419,6 +424,19 @@ pub trait Backend: Send + Sync + 'static {
             streams,
         );
         self.from_host(rows, cols, &host)
+    }
+    /// [`Backend::hc_inject`] with the injection logits at columns `first_col..first_col + streams`
+    /// of `logits` (a backend may read them in place).
+    fn hc_inject_cols(
+        &self,
+        residual: &Self::Act,
+        out: &Self::Act,
+        logits: &Self::Act,
+        first_col: usize,
+        streams: usize,
+    ) -> Self::Act {
+        let inject = self.cols(logits, first_col..first_col + streams);
+        self.hc_inject(residual, out, &inject, streams)
     }
     /// PLE gate: per stream `g = <key_s, query_s> / sqrt(h)`, signed square root, then
     /// `sigmoid(g) · value`; `key`, `query` `[n, s·h]`, `value` `[n, h]` → `[n, s·h]`.

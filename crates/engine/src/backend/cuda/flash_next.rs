@@ -132,11 +132,27 @@ impl CudaBackend {
     }
 
     pub(super) fn fn_silu_scaled(&self, x: &CudaTensor, scale: f32) -> CudaTensor {
-        let out = self.alloc_act(x.rows, x.cols, x.rows);
-        let n = x.len();
+        self.fn_silu_scaled_cols(x, 0..x.cols, scale)
+    }
+
+    pub(super) fn fn_silu_scaled_cols(
+        &self,
+        x: &CudaTensor,
+        cols: std::ops::Range<usize>,
+        scale: f32,
+    ) -> CudaTensor {
+        assert!(
+            cols.start <= cols.end && cols.end <= x.cols,
+            "silu_scaled_cols: columns {cols:?} of a [{}, {}] tensor",
+            x.rows,
+            x.cols
+        );
+        let width = cols.end - cols.start;
+        let out = self.alloc_act(x.rows, width, x.rows);
+        let n = x.rows * width;
         if n > 0 {
             launch!(self, "silu_scaled", grid_1d(n), (256, 1, 1), 0;
-                x.ptr(), out.ptr(), n as u64, scale);
+                x.ptr(), out.ptr(), x.rows as u64, width as i32, x.cols as i32, cols.start as i32, scale);
         }
         out
     }
@@ -178,6 +194,22 @@ impl CudaBackend {
         inject_logits: &CudaTensor,
         streams: usize,
     ) -> CudaTensor {
+        assert_eq!(
+            inject_logits.cols, streams,
+            "hc_inject: injection logits [{}, {}], expected {streams} columns",
+            inject_logits.rows, inject_logits.cols
+        );
+        self.fn_hc_inject_cols(residual, out, inject_logits, 0, streams)
+    }
+
+    pub(super) fn fn_hc_inject_cols(
+        &self,
+        residual: &CudaTensor,
+        out: &CudaTensor,
+        logits: &CudaTensor,
+        first_col: usize,
+        streams: usize,
+    ) -> CudaTensor {
         assert!(streams > 0 && residual.cols.is_multiple_of(streams));
         let h = residual.cols / streams;
         assert_eq!(
@@ -188,20 +220,20 @@ impl CudaBackend {
             out.cols,
             residual.rows
         );
-        assert_eq!(
-            (inject_logits.rows, inject_logits.cols),
-            (residual.rows, streams),
-            "hc_inject: injection logits [{}, {}], expected [{}, {streams}]",
-            inject_logits.rows,
-            inject_logits.cols,
+        assert!(
+            logits.rows == residual.rows && first_col + streams <= logits.cols,
+            "hc_inject: injection logits at columns {first_col}..{} of [{}, {}], for {} rows",
+            first_col + streams,
+            logits.rows,
+            logits.cols,
             residual.rows
         );
         let res = self.alloc_act(residual.rows, residual.cols, residual.rows);
         let n = residual.len();
         if n > 0 {
             launch!(self, "hc_inject", grid_1d(n), (256, 1, 1), 0;
-                residual.ptr(), out.ptr(), inject_logits.ptr(), res.ptr(), residual.rows as u64,
-                h as i32, streams as i32);
+                residual.ptr(), out.ptr(), logits.ptr(), res.ptr(), residual.rows as u64,
+                h as i32, streams as i32, logits.cols as i32, first_col as i32);
         }
         res
     }

@@ -62,20 +62,21 @@ impl<B: Backend> HyperConnection<B> {
     }
 
     /// `streams` `[n, s·h]` → the block input `[n, h]` and, unless this is the final mixer, the
-    /// write-back logits `[n, s]` for [`HyperConnection::write_back`].
+    /// mixer's projection `[n, rank + s]` whose last `s` columns are the write-back logits for
+    /// [`HyperConnection::write_back`] (read there in place).
     pub fn read(&self, b: &B, streams: &B::Act) -> (B::Act, Option<B::Act>) {
         let s = self.streams;
         let normed = self.norm.forward(b, streams);
         let proj = b.linear(&normed, &self.down);
-        let low = b.silu_scaled(&b.cols(&proj, 0..self.rank), 1.0 / s as f32);
+        let low = b.silu_scaled_cols(&proj, 0..self.rank, 1.0 / s as f32);
         let mix = b.linear(&low, &self.up);
         let input = b.hc_mix(&normed, &mix, s);
-        let inject = self.inject.then(|| b.cols(&proj, self.rank..self.rank + s));
-        (input, inject)
+        (input, self.inject.then_some(proj))
     }
 
-    /// `streams + out · 2·sigmoid(inject / s)` per stream.
-    pub fn write_back(&self, b: &B, streams: &B::Act, out: &B::Act, inject: &B::Act) -> B::Act {
-        b.hc_inject(streams, out, inject, self.streams)
+    /// `streams + out · 2·sigmoid(inject / s)` per stream, `inject` the last `s` columns of the
+    /// projection [`HyperConnection::read`] returned.
+    pub fn write_back(&self, b: &B, streams: &B::Act, out: &B::Act, proj: &B::Act) -> B::Act {
+        b.hc_inject_cols(streams, out, proj, self.rank, self.streams)
     }
 }
