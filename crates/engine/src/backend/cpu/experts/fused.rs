@@ -34,7 +34,7 @@ use crate::backend::cpu::simd::Isa;
 use crate::quant::fp8::E4M3_TO_F32;
 use crate::quant::ggml::GgmlType;
 use crate::quant::iq_tables::IQ3S_GRID;
-use crate::quant::nvfp4::{E2M1_DOUBLED, E2M1_TO_F32};
+use crate::quant::nvfp4::E2M1_DOUBLED;
 use std::sync::OnceLock;
 
 /// Which arithmetic the expert kernels use.
@@ -409,6 +409,7 @@ pub fn e4m3_by_bits(b: u8) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use crate::quant::nvfp4::E2M1_TO_F32;
     use std::arch::x86_64::*;
 
     #[derive(Clone, Copy)]
