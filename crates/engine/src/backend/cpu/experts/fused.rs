@@ -1296,18 +1296,25 @@ mod x86 {
                 scales[t] = Lanes::new(_mm256_mul_ps(db, _mm256_loadu_ps(a[t].s.add(8 * blk))));
             }
             let off = (!GATHER).then(|| offsets.block(blk));
-            for sub in 0..8 {
-                let mags = match off {
-                    None => iq3s_mags_avx2::<true>(p, sub),
-                    Some(off) => iq3s_entries_avx2(off, sub),
-                };
-                let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
-                for t in 0..N {
-                    let x = _mm256_loadu_si256(a[t].q.add(256 * blk + 32 * sub) as *const __m256i);
-                    let xs = _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg);
-                    let i = _mm256_madd_epi16(_mm256_maddubs_epi16(mags, xs), ones);
-                    let ch = &mut acc[t][sub % chains];
-                    *ch = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), scales[t].broadcast(sub), *ch);
+            // Sub-blocks in pairs, the accumulator chosen by the position in the pair: a
+            // constant index once the inner loop is unrolled (indexed by `sub`, LLVM kept the
+            // accumulators in memory and every FMA waited on a store).
+            for pair in 0..4 {
+                for h in 0..2 {
+                    let sub = 2 * pair + h;
+                    let mags = match off {
+                        None => iq3s_mags_avx2::<true>(p, sub),
+                        Some(off) => iq3s_entries_avx2(off, sub),
+                    };
+                    let neg = sign_bytes_avx2((p.add(74 + 4 * sub) as *const u32).read_unaligned());
+                    for t in 0..N {
+                        let x =
+                            _mm256_loadu_si256(a[t].q.add(256 * blk + 32 * sub) as *const __m256i);
+                        let xs = _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg);
+                        let i = _mm256_madd_epi16(_mm256_maddubs_epi16(mags, xs), ones);
+                        let ch = &mut acc[t][h % chains];
+                        *ch = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), scales[t].broadcast(sub), *ch);
+                    }
                 }
             }
         }
