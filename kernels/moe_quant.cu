@@ -58,10 +58,11 @@ __device__ __forceinline__ void moe_q_gate_up_impl(const u64* groups, const u32*
     }
 }
 
-// Down rows are short (an expert's intermediate width: 640 weights, 80 groups of 8), so a
-// warp takes MOE_Q_DOWN_RPW of them at once, as the plain quantized matvec does, for more loads
-// in flight a lane; R as for gate_up.
-#define MOE_Q_DOWN_RPW 4
+// A warp takes MOE_Q_DOWN_RPW output rows; R as for gate_up. Measured under ncu on an H100
+// (Flash-Next IQ3_S / Q2_0 experts, one decode row): 4 rows a warp took 37 µs a layer against
+// 27 with one, since the kernel waits on dependent loads and a quarter of the warps hides less
+// of it; so one row a warp (the 27 µs were before the one-row path R = 1).
+#define MOE_Q_DOWN_RPW 1
 template <int FMT, int R>
 __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* act, float* ys, int hidden, int inter,
                                                 u64 row_bytes) {

@@ -26,7 +26,7 @@ use std::ffi::c_void;
 /// Rows per expert up to which the grouped matvec kernels run (`MOE_MAX_ROWS` in moe.cu).
 pub const MOE_MATVEC_MAX_ROWS: usize = 8;
 /// Output rows a warp of `moe_q_down` takes (`MOE_Q_DOWN_RPW` in moe_quant.cu).
-const MOE_Q_DOWN_ROWS_PER_WARP: usize = 4;
+const MOE_Q_DOWN_ROWS_PER_WARP: usize = 1;
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
 const QSA_SPLIT: usize = 128;
