@@ -41,6 +41,23 @@ struct Vec16<DT_F32> {
     }
 };
 
+// The 16-byte weight vector `v` of a row into the sums of every input row.
+template <int DT, int ROWS>
+__device__ __forceinline__ void matvec_vector(const uint4* wv, int v, const float* x, int in, float* acc) {
+    const int EPV = Vec16<DT>::N;
+    float wf[EPV];
+    Vec16<DT>::unpack(__ldg(wv + v), wf);
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const float4* xv = (const float4*)(x + (u64)r * in + (u64)v * EPV);
+#pragma unroll
+        for (int q = 0; q < EPV / 4; q++) {
+            float4 xx = xv[q];
+            acc[r] += wf[4 * q] * xx.x + wf[4 * q + 1] * xx.y + wf[4 * q + 2] * xx.z + wf[4 * q + 3] * xx.w;
+        }
+    }
+}
+
 template <int DT, int ROWS>
 __device__ __forceinline__ void matvec_impl(const void* w, const float* x, float* y, int in, int out) {
     const int lane = threadIdx.x & 31;
@@ -56,19 +73,7 @@ __device__ __forceinline__ void matvec_impl(const void* w, const float* x, float
         const uint4* wv = (const uint4*)wrow;
         const int nv = in / EPV;
 #pragma unroll 4
-        for (int v = lane; v < nv; v += 32) {
-            float wf[EPV];
-            Vec16<DT>::unpack(__ldg(wv + v), wf);
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const float4* xv = (const float4*)(x + (u64)r * in + (u64)v * EPV);
-#pragma unroll
-                for (int q = 0; q < EPV / 4; q++) {
-                    float4 xx = xv[q];
-                    acc[r] += wf[4 * q] * xx.x + wf[4 * q + 1] * xx.y + wf[4 * q + 2] * xx.z + wf[4 * q + 3] * xx.w;
-                }
-            }
-        }
+        for (int v = lane; v < nv; v += 32) matvec_vector<DT, ROWS>(wv, v, x, in, acc);
     } else {
         for (int i = lane; i < in; i += 32) {
             float wf = load_weight(wrow, DT, i);
@@ -103,19 +108,7 @@ __device__ __forceinline__ void matvec_splitk_impl(const void* w, const float* x
         const uint4* wv = (const uint4*)((const char*)w + (u64)row * in * esize);
         const int nv = in / EPV;
 #pragma unroll 4
-        for (int v = slice * 32 + lane; v < nv; v += 32 * KS) {
-            float wf[EPV];
-            Vec16<DT>::unpack(__ldg(wv + v), wf);
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const float4* xv = (const float4*)(x + (u64)r * in + (u64)v * EPV);
-#pragma unroll
-                for (int q = 0; q < EPV / 4; q++) {
-                    float4 xx = xv[q];
-                    acc[r] += wf[4 * q] * xx.x + wf[4 * q + 1] * xx.y + wf[4 * q + 2] * xx.z + wf[4 * q + 3] * xx.w;
-                }
-            }
-        }
+        for (int v = slice * 32 + lane; v < nv; v += 32 * KS) matvec_vector<DT, ROWS>(wv, v, x, in, acc);
     }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
