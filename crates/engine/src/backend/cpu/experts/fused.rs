@@ -442,7 +442,189 @@ mod x86 {
         })
     }
 
-    /// Dispatch over ISA and kind; activations in chunks of 4, 2, 1.
+    /// Software prefetch of a call's rows, `ahead` bytes in front of the row being computed:
+    /// a call's rows are contiguous, but each task starts at a new place of a large expert
+    /// set and the hardware streamer restarts at every 4 KiB page, so without it the kernels
+    /// wait on memory (seen on the dev VM: loads of the block headers were the hot spots).
+    pub(super) struct Prefetch {
+        next: usize,
+        ahead: usize,
+        end: usize,
+    }
+
+    impl Prefetch {
+        fn new(rows: &[u8], row_bytes: usize) -> Prefetch {
+            let ahead = row_bytes * prefetch_bytes().div_ceil(row_bytes);
+            let start = rows.as_ptr() as usize;
+            let mut pf = Prefetch {
+                next: start,
+                ahead,
+                end: rows.as_ptr_range().end as usize,
+            };
+            pf.up_to(start);
+            pf
+        }
+
+        /// Prefetches up to `ahead` bytes past `done` (the end of the row about to be
+        /// computed), where not already done.
+        #[inline(always)]
+        fn up_to(&mut self, done: usize) {
+            let to = (done + self.ahead).min(self.end);
+            while self.next < to {
+                // SAFETY: a prefetch is a hint; `next` lies within the call's rows.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next as *const i8) };
+                self.next += 64;
+            }
+        }
+    }
+
+    /// A kernel over a run of consecutive rows: `out[r · out_stride + t] = row_r · a[t]` for
+    /// `nrows` rows `row_bytes` apart from `rows`.
+    type RowRun<const N: usize> = unsafe fn(
+        rows: *const u8,
+        nrows: usize,
+        row_bytes: usize,
+        k: usize,
+        a: [P; N],
+        out: *mut f32,
+        out_stride: usize,
+        pf: &mut Prefetch,
+    );
+
+    /// Defines `$name`, the [`RowRun`] of the one-row kernel `$kernel` (`$extra`: its const
+    /// arguments after `N`), compiled with the kernel's target features so the kernel is
+    /// inlined into the row loop: the dispatch and the call happen once per run instead of
+    /// once per row (about 3–4 ns a row before), and the compiler may hoist the kernel's
+    /// constant setup out of the loop. The kernels' arithmetic is unchanged, so are the bits.
+    macro_rules! row_run {
+        ($name:ident, $features:literal, $kernel:ident $(, $extra:expr)*) => {
+            // The arguments stay separate: they travel in registers to the row loop.
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const N: usize>(
+                rows: *const u8,
+                nrows: usize,
+                row_bytes: usize,
+                k: usize,
+                a: [P; N],
+                out: *mut f32,
+                out_stride: usize,
+                pf: &mut Prefetch,
+            ) {
+                for r in 0..nrows {
+                    let row = rows.add(r * row_bytes);
+                    pf.up_to(row as usize + row_bytes);
+                    let v = $kernel::<N $(, $extra)*>(row, k, a);
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), out.add(r * out_stride), N);
+                }
+            }
+        };
+    }
+
+    row_run!(nvfp4_exact_avx2_rows, "avx2,fma,f16c", nvfp4_exact_avx2);
+    row_run!(nvfp4_fast_avx2_rows, "avx2,fma,f16c", nvfp4_fast_avx2);
+    row_run!(iq3s_exact_avx2_rows, "avx2,fma,f16c", iq3s_exact_avx2);
+    row_run!(
+        iq3s_exact_avx2_gather_rows,
+        "avx2,fma,f16c",
+        iq3s_exact_avx2_gather
+    );
+    row_run!(iq3s_fast_avx2_rows, "avx2,fma,f16c", iq3s_fast_avx2, false);
+    row_run!(
+        iq3s_fast_avx2_gather_rows,
+        "avx2,fma,f16c",
+        iq3s_fast_avx2,
+        true
+    );
+    row_run!(q2_0_exact_avx2_rows, "avx2,fma,f16c", q2_0_exact_avx2);
+    row_run!(q2_0_fast_avx2_rows, "avx2,fma,f16c", q2_0_fast_avx2);
+    row_run!(
+        nvfp4_exact_avx512_rows,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        nvfp4_exact_avx512
+    );
+    row_run!(
+        iq3s_exact_avx512_rows,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        iq3s_exact_avx512,
+        false
+    );
+    row_run!(
+        iq3s_exact_avx512_gather_rows,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        iq3s_exact_avx512,
+        true
+    );
+    row_run!(
+        q2_0_exact_avx512_rows,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+        q2_0_exact_avx512
+    );
+    row_run!(
+        nvfp4_fast_avx512_rows,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+        nvfp4_fast_avx512
+    );
+    row_run!(
+        iq3s_fast_avx512_rows,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+        iq3s_fast_avx512,
+        false
+    );
+    row_run!(
+        iq3s_fast_avx512_gather_rows,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+        iq3s_fast_avx512,
+        true
+    );
+    row_run!(
+        q2_0_fast_avx512_rows,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+        q2_0_fast_avx512
+    );
+    row_run!(
+        iq3s_exact_vbmi_rows,
+        "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bitalg,avx2,fma,f16c",
+        iq3s_exact_vbmi
+    );
+    row_run!(
+        iq3s_fast_vbmi_rows,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bitalg,avx2,fma,f16c",
+        iq3s_fast_vbmi
+    );
+
+    /// The row-run kernel of `spec` for `N` activations (chosen once per call).
+    fn row_run<const N: usize>(spec: &ActSpec, vnni: bool) -> RowRun<N> {
+        match (spec.isa, spec.kind, spec.fmt) {
+            (Isa::Avx512, Kind::Exact, NVFP4) => nvfp4_exact_avx512_rows::<N>,
+            (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_shuffle => iq3s_exact_vbmi_rows::<N>,
+            (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_gather => {
+                iq3s_exact_avx512_gather_rows::<N>
+            }
+            (Isa::Avx512, Kind::Exact, IQ3S) => iq3s_exact_avx512_rows::<N>,
+            (Isa::Avx512, Kind::Exact, Q2_0) => q2_0_exact_avx512_rows::<N>,
+            (Isa::Avx512, Kind::Fast, NVFP4) if vnni => nvfp4_fast_avx512_rows::<N>,
+            (Isa::Avx512, Kind::Fast, IQ3S) if spec.iq3s_shuffle => iq3s_fast_vbmi_rows::<N>,
+            (Isa::Avx512, Kind::Fast, IQ3S) if vnni && spec.iq3s_gather => {
+                iq3s_fast_avx512_gather_rows::<N>
+            }
+            (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512_rows::<N>,
+            (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512_rows::<N>,
+            (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2_rows::<N>,
+            (_, Kind::Exact, IQ3S) if spec.iq3s_gather => iq3s_exact_avx2_gather_rows::<N>,
+            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2_rows::<N>,
+            (_, Kind::Exact, Q2_0) => q2_0_exact_avx2_rows::<N>,
+            (_, Kind::Fast, NVFP4) => nvfp4_fast_avx2_rows::<N>,
+            (_, Kind::Fast, IQ3S) if spec.iq3s_gather => iq3s_fast_avx2_gather_rows::<N>,
+            (_, Kind::Fast, IQ3S) => iq3s_fast_avx2_rows::<N>,
+            (_, Kind::Fast, Q2_0) => q2_0_fast_avx2_rows::<N>,
+            _ => unreachable!("no fused kernel for {:?}", spec),
+        }
+    }
+
+    /// Dispatch over ISA and kind, once per call; activations in chunks of 4, 2, 1. One,
+    /// two or four activations (a decode step's tokens of an expert) run every row in one
+    /// row-run call; other counts go row by row, each row's chunks while it is in cache.
     pub(super) unsafe fn dots(
         spec: &ActSpec,
         rows: &[u8],
@@ -450,89 +632,64 @@ mod x86 {
         acts: &[Act<'_>],
         out: &mut [f32],
     ) {
-        let na = acts.len();
+        let (na, k) = (acts.len(), spec.k);
+        let nrows = rows.len() / row_bytes;
         let vnni = has_vnni();
-        // Software prefetch `ahead` bytes in front of the row being computed: a call's rows
-        // are contiguous, but each task starts at a new place of a large expert set and the
-        // hardware streamer restarts at every 4 KiB page, so without it the kernels wait on
-        // memory (seen on the dev VM: loads of the block headers were the hot spots).
-        let ahead = row_bytes * prefetch_bytes().div_ceil(row_bytes);
-        let end = rows.as_ptr_range().end as usize;
-        let mut pf = rows.as_ptr() as usize;
-        let mut pf_to = (pf + ahead).min(end);
-        while pf < pf_to {
-            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-            pf += 64;
-        }
-        for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
-            pf_to = (row.as_ptr() as usize + row_bytes + ahead).min(end);
-            while pf < pf_to {
-                _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-                pf += 64;
-            }
-            let mut a0 = 0;
-            while a0 < na {
-                let n = match na - a0 {
-                    1 => 1,
-                    2 | 3 => 2,
-                    _ => 4,
-                };
-                let o = &mut out[r * na + a0..r * na + a0 + n];
-                let ap = &acts[a0..a0 + n];
-                match n {
-                    1 => o.copy_from_slice(&one::<1>(spec, vnni, row.as_ptr(), [ptrs(&ap[0])])),
-                    2 => o.copy_from_slice(&one::<2>(
-                        spec,
-                        vnni,
-                        row.as_ptr(),
-                        [ptrs(&ap[0]), ptrs(&ap[1])],
-                    )),
-                    _ => o.copy_from_slice(&one::<4>(
-                        spec,
-                        vnni,
-                        row.as_ptr(),
-                        [ptrs(&ap[0]), ptrs(&ap[1]), ptrs(&ap[2]), ptrs(&ap[3])],
-                    )),
+        let mut pf = Prefetch::new(rows, row_bytes);
+        let (r0, o) = (rows.as_ptr(), out.as_mut_ptr());
+        match na {
+            1 => row_run::<1>(spec, vnni)(r0, nrows, row_bytes, k, [ptrs(&acts[0])], o, 1, &mut pf),
+            2 => row_run::<2>(spec, vnni)(
+                r0,
+                nrows,
+                row_bytes,
+                k,
+                [ptrs(&acts[0]), ptrs(&acts[1])],
+                o,
+                2,
+                &mut pf,
+            ),
+            4 => row_run::<4>(spec, vnni)(
+                r0,
+                nrows,
+                row_bytes,
+                k,
+                std::array::from_fn(|t| ptrs(&acts[t])),
+                o,
+                4,
+                &mut pf,
+            ),
+            _ => {
+                let (run1, run2, run4) = (
+                    row_run::<1>(spec, vnni),
+                    row_run::<2>(spec, vnni),
+                    row_run::<4>(spec, vnni),
+                );
+                for r in 0..nrows {
+                    let row = r0.add(r * row_bytes);
+                    let mut a0 = 0;
+                    while a0 < na {
+                        let o = o.add(r * na + a0);
+                        let ap = &acts[a0..];
+                        a0 += match na - a0 {
+                            1 => {
+                                run1(row, 1, row_bytes, k, [ptrs(&ap[0])], o, na, &mut pf);
+                                1
+                            }
+                            2 | 3 => {
+                                let a = [ptrs(&ap[0]), ptrs(&ap[1])];
+                                run2(row, 1, row_bytes, k, a, o, na, &mut pf);
+                                2
+                            }
+                            _ => {
+                                let a = std::array::from_fn(|t| ptrs(&ap[t]));
+                                run4(row, 1, row_bytes, k, a, o, na, &mut pf);
+                                4
+                            }
+                        };
+                    }
                 }
-                a0 += n;
             }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn one<const N: usize>(
-        spec: &ActSpec,
-        vnni: bool,
-        row: *const u8,
-        a: [P; N],
-    ) -> [f32; N] {
-        let k = spec.k;
-        match (spec.isa, spec.kind, spec.fmt) {
-            (Isa::Avx512, Kind::Exact, NVFP4) => nvfp4_exact_avx512::<N>(row, k, a),
-            (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_shuffle => {
-                iq3s_exact_vbmi::<N>(row, k, a)
-            }
-            (Isa::Avx512, Kind::Exact, IQ3S) if spec.iq3s_gather => {
-                iq3s_exact_avx512::<N, true>(row, k, a)
-            }
-            (Isa::Avx512, Kind::Exact, IQ3S) => iq3s_exact_avx512::<N, false>(row, k, a),
-            (Isa::Avx512, Kind::Exact, Q2_0) => q2_0_exact_avx512::<N>(row, k, a),
-            (Isa::Avx512, Kind::Fast, NVFP4) if vnni => nvfp4_fast_avx512::<N>(row, k, a),
-            (Isa::Avx512, Kind::Fast, IQ3S) if spec.iq3s_shuffle => iq3s_fast_vbmi::<N>(row, k, a),
-            (Isa::Avx512, Kind::Fast, IQ3S) if vnni && spec.iq3s_gather => {
-                iq3s_fast_avx512::<N, true>(row, k, a)
-            }
-            (Isa::Avx512, Kind::Fast, IQ3S) if vnni => iq3s_fast_avx512::<N, false>(row, k, a),
-            (Isa::Avx512, Kind::Fast, Q2_0) if vnni => q2_0_fast_avx512::<N>(row, k, a),
-            (_, Kind::Exact, NVFP4) => nvfp4_exact_avx2::<N>(row, k, a),
-            (_, Kind::Exact, IQ3S) if spec.iq3s_gather => iq3s_exact_avx2_gather::<N>(row, k, a),
-            (_, Kind::Exact, IQ3S) => iq3s_exact_avx2::<N>(row, k, a),
-            (_, Kind::Exact, Q2_0) => q2_0_exact_avx2::<N>(row, k, a),
-            (_, Kind::Fast, NVFP4) => nvfp4_fast_avx2::<N>(row, k, a),
-            (_, Kind::Fast, IQ3S) if spec.iq3s_gather => iq3s_fast_avx2::<N, true>(row, k, a),
-            (_, Kind::Fast, IQ3S) => iq3s_fast_avx2::<N, false>(row, k, a),
-            (_, Kind::Fast, Q2_0) => q2_0_fast_avx2::<N>(row, k, a),
-            _ => unreachable!("no fused kernel for {:?}", spec),
         }
     }
 
@@ -1974,6 +2131,48 @@ mod tests {
                             assert!(
                                 (got - exact).abs() <= 1e-5 * mag + 1e-6,
                                 "k {k} {}: row {r} act {j}: {got} vs {exact}",
+                                isa.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A call over a run of rows (one row-run call for 1, 2 or 4 activations, row by row
+    /// otherwise) gives the same bits as one call per row, for every format, path, ISA and
+    /// 1–7 activations, with runs long enough to prefetch past the first rows.
+    #[test]
+    fn row_runs_match_one_call_per_row_bit_for_bit() {
+        let k = 640;
+        for fmt in [NVFP4, IQ3S, Q2_0] {
+            let k = if fmt == IQ3S { 768 } else { k };
+            let rb = fmt.row_bytes(k).unwrap();
+            let rows = 9;
+            let bytes =
+                crate::backend::cpu::experts::random_blocks(fmt, rows * rb / fmt.block_bytes(), 21);
+            let mut rng = SplitMix(23);
+            for nacts in 1..=7 {
+                let xs: Vec<Vec<f32>> = (0..nacts)
+                    .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
+                    .collect();
+                for path in [MathPath::Exact, MathPath::Fast] {
+                    for isa in isas().into_iter().filter(|&i| i >= Isa::Avx2) {
+                        let spec = ActSpec::new(isa, path, fmt, k);
+                        let run = prepared_dots(&spec, &bytes, rb, &xs);
+                        let per_row: Vec<f32> = bytes
+                            .chunks_exact(rb)
+                            .flat_map(|row| prepared_dots(&spec, row, rb, &xs))
+                            .collect();
+                        assert_eq!(run.len(), per_row.len());
+                        for (j, (a, b)) in run.iter().zip(&per_row).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{} {} {} {nacts} acts: [{j}] {a} vs {b}",
+                                fmt.name(),
+                                path.name(),
                                 isa.name()
                             );
                         }
