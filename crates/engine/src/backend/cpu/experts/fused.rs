@@ -2053,6 +2053,44 @@ mod tests {
         out
     }
 
+    /// The exact kernels of every SIMD ISA on `rows` rows of `fmt` (`k` weights each) against
+    /// the f64 dot of the dequantised rows, for 1, 2 and 4 activations drawn from `rng`.
+    fn exact_dots_match_the_f64_dot(
+        fmt: RowFormat,
+        bytes: &[u8],
+        rows: usize,
+        k: usize,
+        rng: &mut SplitMix,
+    ) {
+        let rb = fmt.row_bytes(k).unwrap();
+        for nacts in [1, 2, 4] {
+            let xs: Vec<Vec<f32>> = (0..nacts)
+                .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
+                .collect();
+            for isa in isas().into_iter().filter(|&i| i >= Isa::Avx2) {
+                let spec = ActSpec::new(isa, MathPath::Exact, fmt, k);
+                assert_eq!(spec.kind, Kind::Exact);
+                let out = prepared_dots(&spec, bytes, rb, &xs);
+                let mut w = vec![0f32; k];
+                for r in 0..rows {
+                    dequantize_row_scalar(fmt, &bytes[r * rb..(r + 1) * rb], &mut w);
+                    for (j, x) in xs.iter().enumerate() {
+                        let terms = w.iter().zip(x).map(|(p, q)| *p as f64 * *q as f64);
+                        let exact: f64 = terms.clone().sum();
+                        let mag: f64 = terms.map(f64::abs).sum();
+                        let got = out[r * nacts + j] as f64;
+                        assert!(
+                            (got - exact).abs() <= 1e-5 * mag + 1e-6,
+                            "{} k {k} {}: row {r} act {j}: {got} vs {exact}",
+                            fmt.name(),
+                            isa.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The exact NVFP4 kernels on rows with an odd block count (AVX-512 takes blocks in pairs
     /// and lays the last one out alone) against the f64 dot of the dequantised rows.
     #[test]
@@ -2069,36 +2107,14 @@ mod tests {
             .unwrap();
             let mut set = ExpertSet::zeroed(layout, 1);
             set.randomize(5);
-            let (rows, rb) = (4, layout.gate_up_row_bytes);
+            let rows = 4;
+            assert_eq!(layout.gate_up_row_bytes, NVFP4.row_bytes(k).unwrap());
             let mut bytes = Vec::new();
             for r in 0..rows {
                 bytes.extend_from_slice(set.row(0, ExpertMatrix::Gate, r));
             }
             let mut rng = SplitMix(7);
-            for nacts in [1, 2, 4] {
-                let xs: Vec<Vec<f32>> = (0..nacts)
-                    .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
-                    .collect();
-                for isa in isas().into_iter().filter(|&i| i >= Isa::Avx2) {
-                    let spec = ActSpec::new(isa, MathPath::Exact, NVFP4, k);
-                    let out = prepared_dots(&spec, &bytes, rb, &xs);
-                    let mut w = vec![0f32; k];
-                    for r in 0..rows {
-                        dequantize_row_scalar(NVFP4, &bytes[r * rb..(r + 1) * rb], &mut w);
-                        for (j, x) in xs.iter().enumerate() {
-                            let terms = w.iter().zip(x).map(|(p, q)| *p as f64 * *q as f64);
-                            let exact: f64 = terms.clone().sum();
-                            let mag: f64 = terms.map(f64::abs).sum();
-                            let got = out[r * nacts + j] as f64;
-                            assert!(
-                                (got - exact).abs() <= 1e-5 * mag + 1e-6,
-                                "k {k} {}: row {r} act {j}: {got} vs {exact}",
-                                isa.name()
-                            );
-                        }
-                    }
-                }
-            }
+            exact_dots_match_the_f64_dot(NVFP4, &bytes, rows, k, &mut rng);
         }
     }
 
@@ -2109,34 +2125,9 @@ mod tests {
     fn q2_0_exact_matches_the_f64_dot_at_every_block_count() {
         for k in [64, 192, 640] {
             let rows = 3;
-            let rb = Q2_0.row_bytes(k).unwrap();
             let bytes = crate::backend::cpu::experts::random_blocks(Q2_0, rows * k / 64, 13);
             let mut rng = SplitMix(17);
-            for nacts in [1, 2, 4] {
-                let xs: Vec<Vec<f32>> = (0..nacts)
-                    .map(|_| (0..k).map(|_| rng.unit() * 2.0 - 1.0).collect())
-                    .collect();
-                for isa in isas().into_iter().filter(|&i| i >= Isa::Avx2) {
-                    let spec = ActSpec::new(isa, MathPath::Exact, Q2_0, k);
-                    assert_eq!(spec.kind, Kind::Exact);
-                    let out = prepared_dots(&spec, &bytes, rb, &xs);
-                    let mut w = vec![0f32; k];
-                    for r in 0..rows {
-                        dequantize_row_scalar(Q2_0, &bytes[r * rb..(r + 1) * rb], &mut w);
-                        for (j, x) in xs.iter().enumerate() {
-                            let terms = w.iter().zip(x).map(|(p, q)| *p as f64 * *q as f64);
-                            let exact: f64 = terms.clone().sum();
-                            let mag: f64 = terms.map(f64::abs).sum();
-                            let got = out[r * nacts + j] as f64;
-                            assert!(
-                                (got - exact).abs() <= 1e-5 * mag + 1e-6,
-                                "k {k} {}: row {r} act {j}: {got} vs {exact}",
-                                isa.name()
-                            );
-                        }
-                    }
-                }
-            }
+            exact_dots_match_the_f64_dot(Q2_0, &bytes, rows, k, &mut rng);
         }
     }
 
