@@ -102,28 +102,38 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
 //  2. gdr_chunk_scan, parallel over (value head, tile of GDR_TILE value columns), walks the
 //     chunks in order with the state tile in shared memory:
 //       V' = U − W S;   O = Qe S + P V';   S ← e^{c_last} S + Kdᵀ V'.
-// Workspace per (head, chunk): U [64, dv], W [64, dk], Qe [64, dk], Kd [64, dk], P [64, 64], 1.
+// Workspace per (head, chunk): U [64, dv], W [64, dk], Qe [64, dk], Kd [64, dk], P [64, 64], e^{c_last}
+// and 3 floats of padding.
 // Rows past the end of the sequence are zero (β = 0, k̂ = 0, g = 0), so they change nothing.
 
 #define GDR_CHUNK 64
 #define GDR_TILE 32
 
+// Padded to a multiple of 4 floats, so every part of every chunk is 16-byte aligned.
 __device__ __forceinline__ u64 gdr_chunk_floats(int dk, int dv) {
-    return (u64)GDR_CHUNK * (dv + 3 * dk) + GDR_CHUNK * GDR_CHUNK + 1;
+    return (u64)GDR_CHUNK * (dv + 3 * dk) + GDR_CHUNK * GDR_CHUNK + 4;
 }
 
+// Two blocks an SM where shared memory has room for them (sm_90: 228 KB an SM; the register
+// cap costs ~260 bytes of spills); sm_120 has 128 KB, room for one, so it keeps every register.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define GDR_PREP_MIN_BLOCKS 1
+#else
+#define GDR_PREP_MIN_BLOCKS 2
+#endif
+
 // grid (NV, chunks), block 256, dynamic shared memory
-//   (2·64·(dk+1) + 64·65 + 2·64) floats.
+//   (2·64·(dk+1) + 64·68 + 2·64) floats (backend/cuda `ChunkedDeltaRulePlan`).
 // Tokens t0 + chunk·64 … of the sequence; `n` tokens in all (the last chunk may be partial).
-extern "C" __global__ void gdr_chunk_prep(const float* q, const float* k, const float* v, const float* g,
+extern "C" __global__ void __launch_bounds__(256, GDR_PREP_MIN_BLOCKS) gdr_chunk_prep(const float* q, const float* k, const float* v, const float* g,
                                           const float* beta, float* ws, int n, int t0, int nk, int nv, int dk,
                                           int dv) { KERNEL_START();
     extern __shared__ float sm[];
-    const int ks_stride = dk + 1;
+    const int ks_stride = dk + 1, as_stride = GDR_CHUNK + 4;
     float* Ks = sm;                            // [64][dk+1]
     float* Qs = Ks + GDR_CHUNK * ks_stride;    // [64][dk+1]
-    float* As = Qs + GDR_CHUNK * ks_stride;    // [64][65]
-    float* cum = As + GDR_CHUNK * (GDR_CHUNK + 1);
+    float* At = Qs + GDR_CHUNK * ks_stride;    // Aᵀ [64][68]: rows 16-byte aligned for float4 reads
+    float* cum = At + GDR_CHUNK * as_stride;
     float* bs = cum + GDR_CHUNK;
     const int h = blockIdx.x, chunk = blockIdx.y;
     const int kh = h / (nv / nk);
@@ -182,19 +192,42 @@ extern "C" __global__ void gdr_chunk_prep(const float* q, const float* k, const 
     }
     __syncthreads();
     const float clast = cum[GDR_CHUNK - 1];
-    for (int e = tid; e < GDR_CHUNK * GDR_CHUNK; e += blockDim.x) {
-        const int i = e / GDR_CHUNK, j = e % GDR_CHUNK;
-        float kk = 0.0f, qk = 0.0f;
-        if (j <= i) {
-            for (int a = 0; a < dk; a++) {
-                const float kj = Ks[j * ks_stride + a];
-                kk += Ks[i * ks_stride + a] * kj;
-                qk += Qs[i * ks_stride + a] * kj;
+    {
+        // A and P in register tiles: thread (ti, tj) takes rows ti + 16r and columns tj + 16c,
+        // so a step over `a` loads 12 values for 20 products (one element a thread loaded 3
+        // for 2, and shared memory bandwidth bound the kernel), and a warp's 16 column rows
+        // fall in 16 banks. Tiles with c > r lie above the diagonal: zero, never computed.
+        const int ti = tid >> 4, tj = tid & 15;
+        float kk[4][4], qk[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) kk[r][c] = qk[r][c] = 0.0f;
+        for (int a = 0; a < dk; a++) {
+            float ki[4], qi[4], kj[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                ki[r] = Ks[(ti + 16 * r) * ks_stride + a];
+                qi[r] = Qs[(ti + 16 * r) * ks_stride + a];
+                kj[r] = Ks[(tj + 16 * r) * ks_stride + a];
             }
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c <= r; c++) {
+                    kk[r][c] += ki[r] * kj[c];
+                    qk[r][c] += qi[r] * kj[c];
+                }
         }
-        const float d = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
-        As[i * (GDR_CHUNK + 1) + j] = j < i ? bs[i] * kk * d : 0.0f;
-        P[e] = qk * d;
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int i = ti + 16 * r, j = tj + 16 * c;
+                const float d = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
+                At[j * as_stride + i] = j < i ? bs[i] * kk[r][c] * d : 0.0f;
+                P[i * GDR_CHUNK + j] = c <= r ? qk[r][c] * d : 0.0f;
+            }
     }
     for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) {
         const int i = e / dk, a = e % dk;
@@ -203,40 +236,79 @@ extern "C" __global__ void gdr_chunk_prep(const float* q, const float* k, const 
     }
     if (tid == 0) *decay_out = expf(clast);
     __syncthreads();
-    // Forward substitution, one column of [βV | βe^{c}K̂] per thread: y_i = x_i − Σ_{j<i} A_ij y_j.
+    // Forward substitution, one column of [βV | βe^{c}K̂] per thread: y_i = x_i − Σ_{j<i} A_ij y_j,
+    // right-looking: once y_j is final it is written out and subtracted from the rows below
+    // it, so the live values shrink from 64 to none (the left-looking form kept every y_j and
+    // input live: 255 registers, one block an SM). Each x_i takes its subtractions in the same
+    // order (ascending j), so the results are the same bit for bit. A is stored transposed,
+    // and a float4 of its column j is one broadcast load.
     for (int col = tid; col < dv + dk; col += blockDim.x) {
-        float y[GDR_CHUNK];
+        float x[GDR_CHUNK];
 #pragma unroll
         for (int i = 0; i < GDR_CHUNK; i++) {
-            float x;
             if (col < dv)
-                x = i < l ? bs[i] * v[((u64)(start + i) * nv + h) * dv + col] : 0.0f;
+                x[i] = i < l ? bs[i] * v[((u64)(start + i) * nv + h) * dv + col] : 0.0f;
             else
-                x = bs[i] * expf(cum[i]) * Ks[i * ks_stride + (col - dv)];
-#pragma unroll
-            for (int j = 0; j < i; j++) x -= As[i * (GDR_CHUNK + 1) + j] * y[j];
-            y[i] = x;
+                x[i] = bs[i] * expf(cum[i]) * Ks[i * ks_stride + (col - dv)];
         }
-        if (col < dv) {
+        float* dst = col < dv ? U + col : W + (col - dv);
+        const int dst_stride = col < dv ? dv : dk;
 #pragma unroll
-            for (int i = 0; i < GDR_CHUNK; i++) U[i * dv + col] = y[i];
-        } else {
+        for (int j = 0; j < GDR_CHUNK; j++) {
+            dst[j * dst_stride] = x[j];
 #pragma unroll
-            for (int i = 0; i < GDR_CHUNK; i++) W[i * dk + (col - dv)] = y[i];
+            for (int i = (j + 1) & ~3; i < GDR_CHUNK; i += 4) {
+                const float4 a4 = *(const float4*)&At[j * as_stride + i];
+                if (i > j) x[i] -= a4.x * x[j];
+                if (i + 1 > j) x[i + 1] -= a4.y * x[j];
+                if (i + 2 > j) x[i + 2] -= a4.z * x[j];
+                if (i + 3 > j) x[i + 3] -= a4.w * x[j];
+            }
         }
     }
 }
 
+// The scan's staging: a [64, dk] part of the workspace (W, Qe or Kd) moves to shared memory as
+// float4s, thread t taking float4s t, t + 256, … (dk ≤ 128: at most 8). Each part is fetched
+// into registers one phase ahead of its use and stored after the next barrier, so its global
+// latency hides behind the phase in between: the scan was bound by those loads (one
+// dependent round trip per few floats, three parts and P per chunk: ~50 µs a chunk).
+#define GDR_SCAN_THREADS 256
+#define GDR_STAGE_VECS (GDR_CHUNK * GDR_MAX_DK / 4 / GDR_SCAN_THREADS)
+#define GDR_P_VECS (GDR_CHUNK * GDR_CHUNK / 4 / GDR_SCAN_THREADS)
+
+__device__ __forceinline__ void gdr_fetch(float4 (&r)[GDR_STAGE_VECS], const float* part, int dk) {
+    const int total = GDR_CHUNK * dk / 4;
+#pragma unroll
+    for (int i = 0; i < GDR_STAGE_VECS; i++) {
+        const int e = threadIdx.x + GDR_SCAN_THREADS * i;
+        if (e < total) r[i] = __ldg((const float4*)part + e);
+    }
+}
+
+// Rows of `dk` floats to rows `stride` floats apart (dk and stride multiples of 4).
+__device__ __forceinline__ void gdr_stage(const float4 (&r)[GDR_STAGE_VECS], float* buf, int stride, int dk) {
+    const int total = GDR_CHUNK * dk / 4;
+#pragma unroll
+    for (int i = 0; i < GDR_STAGE_VECS; i++) {
+        const int e = threadIdx.x + GDR_SCAN_THREADS * i;
+        if (e < total) *(float4*)&buf[(4 * e / dk) * stride + 4 * e % dk] = r[i];
+    }
+}
+
 // grid (NV, ceil(dv / 32)), block 256, dynamic shared memory
-//   (dk·32 + 64·(dk+4) + 64·32) floats. Walks `chunks` chunks of the workspace in order,
-// updating state [NV, dk, dv] and writing out [n, NV·dv] rows t0 + chunk·64 + i (< n).
-extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* out, int n, int t0, int chunks,
-                                          int nv, int dk, int dv) { KERNEL_START();
+//   (dk·32 + 64·(dk+4) + 64·32 + 64·65) floats (backend/cuda `ChunkedDeltaRulePlan`). Walks
+// `chunks` chunks of the workspace in order, updating state [NV, dk, dv] and writing out
+// [n, NV·dv] rows t0 + chunk·64 + i (< n). dk a multiple of 4, at most 128.
+extern "C" __global__ void __launch_bounds__(GDR_SCAN_THREADS) gdr_chunk_scan(const float* ws, float* state, float* out,
+                                                                             int n, int t0, int chunks, int nv, int dk,
+                                                                             int dv) { KERNEL_START();
     extern __shared__ float sm[];
     const int bs_stride = dk + 4;
     float* S = sm;                              // [dk][32]
-    float* buf = S + dk * GDR_TILE;             // [64][dk+4]
+    float* buf = S + dk * GDR_TILE;             // [64][dk+4]: W, then Qe, then Kd
     float* vn = buf + GDR_CHUNK * bs_stride;    // [64][32]
+    float* Ps = vn + GDR_CHUNK * GDR_TILE;      // [64][65]
     const int h = blockIdx.x, b0 = blockIdx.y * GDR_TILE;
     const int tid = threadIdx.x;
     const int cols = min(GDR_TILE, dv - b0);
@@ -249,6 +321,8 @@ extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* 
     // (4 rows × 4 columns a thread, dk ≤ 128).
     const int ri = (tid >> 3) * 2, ci = (tid & 7) * 4;
     const u64 per_chunk = gdr_chunk_floats(dk, dv);
+    float4 pre[GDR_STAGE_VECS];
+    gdr_fetch(pre, ws + (u64)h * chunks * per_chunk + GDR_CHUNK * dv, dk);  // chunk 0's W
     for (int chunk = 0; chunk < chunks; chunk++) {
         const float* base = ws + ((u64)h * chunks + chunk) * per_chunk;
         const float* U = base;
@@ -256,12 +330,29 @@ extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* 
         const float* Qe = W + GDR_CHUNK * dk;
         const float* Kd = Qe + GDR_CHUNK * dk;
         const float* P = Kd + GDR_CHUNK * dk;
-        const float decay = P[GDR_CHUNK * GDR_CHUNK];
         const int start = t0 + chunk * GDR_CHUNK;
         const int l = min(GDR_CHUNK, n - start);
+        // This chunk's P, decay and the thread's U entries, in flight together with W.
+        float4 pp[GDR_P_VECS];
+#pragma unroll
+        for (int i = 0; i < GDR_P_VECS; i++) pp[i] = __ldg((const float4*)P + tid + GDR_SCAN_THREADS * i);
+        const float decay = __ldg(P + GDR_CHUNK * GDR_CHUNK);
+        float u[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) u[r][c] = ci + c < cols ? __ldg(U + (ri + r) * dv + b0 + ci + c) : 0.0f;
+        __syncthreads();  // the last chunk's readers of buf, vn and Ps are done
+        gdr_stage(pre, buf, bs_stride, dk);
+#pragma unroll
+        for (int i = 0; i < GDR_P_VECS; i++) {
+            const int f = 4 * (tid + GDR_SCAN_THREADS * i), row = f / GDR_CHUNK, col = f % GDR_CHUNK;
+            float* d = &Ps[row * (GDR_CHUNK + 1) + col];
+            d[0] = pp[i].x; d[1] = pp[i].y; d[2] = pp[i].z; d[3] = pp[i].w;
+        }
         __syncthreads();
-        for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) buf[(e / dk) * bs_stride + e % dk] = W[e];
-        __syncthreads();
+        gdr_fetch(pre, Qe, dk);
+        // V' = U − W S
         {
             float acc[2][4];
 #pragma unroll
@@ -279,12 +370,14 @@ extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* 
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     const int col = ci + c;
-                    vn[(ri + r) * GDR_TILE + col] = col < cols ? U[(ri + r) * dv + b0 + col] - acc[r][c] : 0.0f;
+                    vn[(ri + r) * GDR_TILE + col] = col < cols ? u[r][c] - acc[r][c] : 0.0f;
                 }
         }
         __syncthreads();
-        for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) buf[(e / dk) * bs_stride + e % dk] = Qe[e];
+        gdr_stage(pre, buf, bs_stride, dk);
         __syncthreads();
+        gdr_fetch(pre, Kd, dk);
+        // O = Qe S + P V'
         {
             float acc[2][4];
 #pragma unroll
@@ -299,8 +392,8 @@ extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* 
             }
             for (int j = 0; j <= ri + 1; j++) {
                 const float4 v4 = *(const float4*)&vn[j * GDR_TILE + ci];
-                const float p0 = j <= ri ? __ldg(P + ri * GDR_CHUNK + j) : 0.0f;
-                const float p1 = __ldg(P + (ri + 1) * GDR_CHUNK + j);
+                const float p0 = j <= ri ? Ps[ri * (GDR_CHUNK + 1) + j] : 0.0f;
+                const float p1 = Ps[(ri + 1) * (GDR_CHUNK + 1) + j];
                 acc[0][0] += p0 * v4.x; acc[0][1] += p0 * v4.y; acc[0][2] += p0 * v4.z; acc[0][3] += p0 * v4.w;
                 acc[1][0] += p1 * v4.x; acc[1][1] += p1 * v4.y; acc[1][2] += p1 * v4.z; acc[1][3] += p1 * v4.w;
             }
@@ -313,8 +406,9 @@ extern "C" __global__ void gdr_chunk_scan(const float* ws, float* state, float* 
                 }
         }
         __syncthreads();
-        for (int e = tid; e < GDR_CHUNK * dk; e += blockDim.x) buf[(e / dk) * bs_stride + e % dk] = Kd[e];
+        gdr_stage(pre, buf, bs_stride, dk);
         __syncthreads();
+        if (chunk + 1 < chunks) gdr_fetch(pre, base + per_chunk + GDR_CHUNK * dv, dk);  // the next chunk's W
         // S ← e^{c_last} S + Kdᵀ V': rows a0..a0+3 of S, columns ci..ci+3.
         for (int a0 = (tid >> 3) * 4; a0 < dk; a0 += (blockDim.x >> 3) * 4) {
             float acc[4][4];

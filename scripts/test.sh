@@ -17,6 +17,8 @@ fi
 say "system packages"
 need_apt=()
 command -v cc >/dev/null || need_apt+=(build-essential)
+# The CUDA kernel emulation tests build C++20 with AddressSanitizer (libasan comes with g++).
+command -v c++ >/dev/null || need_apt+=(g++)
 command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 python3 -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v python3 >/dev/null || need_apt+=(python3 python3-venv)

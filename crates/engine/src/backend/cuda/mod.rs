@@ -285,6 +285,57 @@ const QUANT_SCRATCH_ELEMS: usize = 64 << 20;
 /// Bytes of workspace the chunked delta rule may use at once (it runs long prompts in segments).
 const GDR_WORKSPACE_BYTES: usize = 128 << 20;
 /// Kernels that take more than the default 48 KiB of dynamic shared memory.
+/// How the chunked gated delta rule (kernels/delta_rule.cu `gdr_chunk_prep`, `gdr_chunk_scan`)
+/// is launched for `n` tokens: the workspace per (head, chunk), the segments that bound it to
+/// [`GDR_WORKSPACE_BYTES`], and each kernel's dynamic shared memory. Public so the CPU
+/// emulation test (tests/cuda_emulated.rs) launches the kernels exactly as the backend does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkedDeltaRulePlan {
+    /// Floats of workspace per (value head, chunk): U, W, Qe, Kd, P and the chunk's decay,
+    /// padded to a multiple of 4 so every part starts 16-byte aligned (float4 loads).
+    pub per_chunk_floats: usize,
+    pub chunks: usize,
+    /// Chunks per pair of launches.
+    pub seg_chunks: usize,
+    /// Blocks along y of the scan: value columns in tiles of [`Self::TILE`].
+    pub scan_tiles: usize,
+    pub prep_smem: usize,
+    pub scan_smem: usize,
+}
+
+impl ChunkedDeltaRulePlan {
+    /// Tokens per chunk (`GDR_CHUNK`).
+    pub const CHUNK: usize = 64;
+    /// Value columns per scan block (`GDR_TILE`).
+    pub const TILE: usize = 32;
+
+    pub fn new(n: usize, s: DeltaRuleShape) -> ChunkedDeltaRulePlan {
+        Self::with_workspace(n, s, GDR_WORKSPACE_BYTES)
+    }
+
+    /// The plan with the workspace bounded to `workspace_bytes` (tests force several segments).
+    pub fn with_workspace(
+        n: usize,
+        s: DeltaRuleShape,
+        workspace_bytes: usize,
+    ) -> ChunkedDeltaRulePlan {
+        let (c, t) = (Self::CHUNK, Self::TILE);
+        let (dk, dv, nv) = (s.k_head_dim, s.v_head_dim, s.num_v_heads);
+        let per_chunk_floats = c * (dv + 3 * dk) + c * c + 4;
+        let chunks = ceil_div(n, c);
+        ChunkedDeltaRulePlan {
+            per_chunk_floats,
+            chunks,
+            seg_chunks: (workspace_bytes / (per_chunk_floats * nv * 4)).clamp(1, chunks.max(1)),
+            scan_tiles: ceil_div(dv, t),
+            // Ks, Qs [64][dk+1]; A [64][68]; the cumulative decay and β.
+            prep_smem: (2 * c * (dk + 1) + c * (c + 4) + 2 * c) * 4,
+            // S [dk][32]; one staging buffer [64][dk+4]; V' [64][32]; P [64][65].
+            scan_smem: (dk * t + c * (dk + 4) + c * t + c * (c + 1)) * 4,
+        }
+    }
+}
+
 const LARGE_SMEM_KERNELS: [&str; 3] = ["gdr_chunk_prep", "gdr_chunk_scan", "quant_matvec_iq3s_q8"];
 /// The oldest driver API version accepted: CUDA 13.0 (driver R580).
 pub const MIN_DRIVER: i32 = 13000;
@@ -1723,26 +1774,20 @@ impl CudaBackend {
         out: &CudaTensor,
     ) {
         state.written();
-        const CHUNK: usize = 64;
-        const TILE: usize = 32;
         let n = q.rows;
         let (dk, dv, nv) = (s.k_head_dim, s.v_head_dim, s.num_v_heads);
-        let per_chunk = CHUNK * (dv + 3 * dk) + CHUNK * CHUNK + 1;
-        let chunks = ceil_div(n, CHUNK);
-        let seg_chunks = (GDR_WORKSPACE_BYTES / (per_chunk * nv * 4)).clamp(1, chunks);
+        let plan = ChunkedDeltaRulePlan::new(n, s);
         let ws = self.alloc(
-            seg_chunks * nv * per_chunk * 4,
+            plan.seg_chunks * nv * plan.per_chunk_floats * 4,
             "delta-rule chunk workspace",
         );
-        let prep_smem = (2 * CHUNK * (dk + 1) + CHUNK * (CHUNK + 1) + 2 * CHUNK) * 4;
-        let scan_smem = (dk * TILE + CHUNK * (dk + 4) + CHUNK * TILE) * 4;
-        for c0 in (0..chunks).step_by(seg_chunks) {
-            let seg = seg_chunks.min(chunks - c0);
-            let t0 = (c0 * CHUNK) as i32;
-            launch!(self, "gdr_chunk_prep", (nv as u32, seg as u32, 1), (256, 1, 1), prep_smem as u32;
+        for c0 in (0..plan.chunks).step_by(plan.seg_chunks) {
+            let seg = plan.seg_chunks.min(plan.chunks - c0);
+            let t0 = (c0 * ChunkedDeltaRulePlan::CHUNK) as i32;
+            launch!(self, "gdr_chunk_prep", (nv as u32, seg as u32, 1), (256, 1, 1), plan.prep_smem as u32;
                 q.ptr(), k.ptr(), v.ptr(), g.ptr(), beta.ptr(), ws.ptr, n as i32, t0,
                 s.num_k_heads as i32, nv as i32, dk as i32, dv as i32);
-            launch!(self, "gdr_chunk_scan", (nv as u32, ceil_div(dv, TILE) as u32, 1), (256, 1, 1), scan_smem as u32;
+            launch!(self, "gdr_chunk_scan", (nv as u32, plan.scan_tiles as u32, 1), (256, 1, 1), plan.scan_smem as u32;
                 ws.ptr, state.ptr(), out.ptr(), n as i32, t0, seg as i32, nv as i32, dk as i32, dv as i32);
         }
     }
@@ -2863,6 +2908,26 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_chunked_delta_rule_plan_fits_an_rtx_50_block_and_aligns_every_part() {
+        // sm_120 grants a block at most 99 KiB of shared memory; both checkpoints' heads are
+        // 128 wide. The scan loads the workspace parts as float4s: each part of each chunk
+        // must start on 16 bytes.
+        let s = DeltaRuleShape {
+            num_k_heads: 16,
+            num_v_heads: 48,
+            k_head_dim: 128,
+            v_head_dim: 128,
+        };
+        let plan = ChunkedDeltaRulePlan::new(8192, s);
+        assert!(plan.prep_smem <= 99 << 10, "{plan:?}");
+        assert!(plan.scan_smem <= 99 << 10, "{plan:?}");
+        assert_eq!(plan.per_chunk_floats % 4, 0);
+        assert_eq!(plan.chunks, 128);
+        assert!(plan.seg_chunks * 48 * plan.per_chunk_floats * 4 <= GDR_WORKSPACE_BYTES);
+        assert_eq!(plan.scan_tiles, 4);
+    }
 
     #[test]
     fn few_row_float_matvecs_split_rows_over_warps() {

@@ -1,0 +1,202 @@
+//! CUDA kernels run on the CPU, without a GPU: `cuda_emulated/emu.hpp` emulates blocks,
+//! barriers, warp shuffles and shared memory with one OS thread per CUDA thread, and a C++
+//! driver per kernel file launches the kernels as the backend does (the launch plan comes from
+//! the engine itself) and checks them against a double-precision reference. Built with
+//! AddressSanitizer and UBSan: a kernel that reads past the shared memory the host reserves,
+//! past a buffer, or loads a misaligned float4 fails here, as it would on the card (or worse,
+//! silently). What it cannot show is speed or a GPU-only race; the GPU suites cover those.
+//!
+//! Needs a C++20 compiler (`CXX`, else `c++`); without one the tests print why and pass,
+//! except under `CI=true`, where the compiler is installed and a skip would hide a failure.
+#![cfg(feature = "cuda")]
+
+use capy_engine::backend::cuda::ChunkedDeltaRulePlan;
+use capy_engine::backend::DeltaRuleShape;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// kernels/common.cuh and `file` rewritten for the emulator: inline PTX aborts, dynamic shared
+/// memory is the launch's buffer, static shared arrays are statics (one block at a time).
+fn emulator_source(file: &str) -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(repo_root().join(p)).unwrap_or_else(|e| panic!("reading {p}: {e}"))
+    };
+    let src = read("kernels/common.cuh") + &read(file);
+    let mut out = String::with_capacity(src.len());
+    for line in src
+        .replace("asm volatile(", "EMU_ASM(")
+        .replace("asm(", "EMU_ASM(")
+        .lines()
+    {
+        // `extern __shared__ T name[];` → `T* name = emu::dynamic_smem<T>();`
+        let t = line.trim();
+        if let Some(decl) = t
+            .strip_prefix("extern __shared__ ")
+            .and_then(|d| d.strip_suffix("[];"))
+        {
+            let (ty, name) = decl
+                .rsplit_once(' ')
+                .unwrap_or_else(|| panic!("{file}: unexpected shared declaration `{t}`"));
+            out.push_str(&format!("{ty}* {name} = emu::dynamic_smem<{ty}>();\n"));
+        } else {
+            out.push_str(&line.replace("__shared__", "static"));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The C++ compiler, or why there is none.
+fn cxx() -> Result<String, String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    match Command::new(&cxx).arg("--version").output() {
+        Ok(o) if o.status.success() => Ok(cxx),
+        _ => Err(format!(
+            "no C++ compiler `{cxx}` (set CXX, or apt-get install g++)"
+        )),
+    }
+}
+
+/// Builds `cuda_emulated/<driver>.cpp` with `kernel_file` once per test process.
+fn build(driver: &str, kernel_file: &str) -> Option<PathBuf> {
+    let cxx = match cxx() {
+        Ok(c) => c,
+        Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("CI=true but {why}")
+        }
+        Err(why) => {
+            println!("skipping: {why}");
+            return None;
+        }
+    };
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emulated");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("kernels.inc"), emulator_source(kernel_file)).unwrap();
+    let exe = dir.join(driver);
+    let src_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulated");
+    let out = Command::new(&cxx)
+        .args([
+            "-std=c++20",
+            "-O1",
+            "-g",
+            "-pthread",
+            "-Wno-unknown-pragmas",
+        ])
+        .args([
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=undefined",
+        ])
+        .arg(format!("-I{}", dir.display()))
+        .arg(format!("-I{}", src_dir.display()))
+        .arg(src_dir.join(format!("{driver}.cpp")))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("running the C++ compiler");
+    assert!(
+        out.status.success(),
+        "compiling the emulated {kernel_file} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(exe)
+}
+
+fn delta_rule_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("delta_rule", "kernels/delta_rule.cu"))
+        .as_deref()
+}
+
+/// Runs the chunked kernels over `n` tokens of shape `s` with the backend's launch plan (the
+/// workspace bounded to `workspace_bytes`, to force segments), and the recurrent kernel.
+fn check_delta_rule(n: usize, s: DeltaRuleShape, workspace_bytes: usize, min_segments: usize) {
+    let Some(exe) = delta_rule_driver() else {
+        return;
+    };
+    let plan = ChunkedDeltaRulePlan::with_workspace(n, s, workspace_bytes);
+    let segments = plan.chunks.div_ceil(plan.seg_chunks);
+    assert!(
+        segments >= min_segments,
+        "the test wants {min_segments} segments, the plan has {segments}: {plan:?}"
+    );
+    let args = [
+        n,
+        s.num_k_heads,
+        s.num_v_heads,
+        s.k_head_dim,
+        s.v_head_dim,
+        plan.seg_chunks,
+        plan.per_chunk_floats,
+        plan.prep_smem,
+        plan.scan_smem,
+        ChunkedDeltaRulePlan::TILE,
+        7,
+    ];
+    let out = Command::new(exe)
+        .args(args.iter().map(|a| a.to_string()))
+        .output()
+        .expect("running the emulated kernels");
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    assert!(
+        out.status.success(),
+        "emulated delta rule failed for n={n} {s:?} ({plan:?}):\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        text.matches(": ok").count(),
+        2,
+        "expected both kernels checked: {text}"
+    );
+}
+
+#[test]
+fn chunked_delta_rule_at_the_27b_head_size_over_two_segments() {
+    // 128-wide heads as in both checkpoints, two value heads per key head, a partial last
+    // chunk (150 = 2·64 + 22), and a workspace of two chunks: two segments.
+    let s = DeltaRuleShape {
+        num_k_heads: 2,
+        num_v_heads: 4,
+        k_head_dim: 128,
+        v_head_dim: 128,
+    };
+    let per_chunk = ChunkedDeltaRulePlan::new(1, s).per_chunk_floats;
+    check_delta_rule(150, s, 2 * per_chunk * 4 * 4, 2);
+}
+
+#[test]
+fn chunked_delta_rule_with_a_partial_value_tile_and_small_heads() {
+    // dv = 48: the second 32-column tile is half empty; dk = 64 leaves the staging vectors
+    // partly unused.
+    let s = DeltaRuleShape {
+        num_k_heads: 1,
+        num_v_heads: 2,
+        k_head_dim: 64,
+        v_head_dim: 48,
+    };
+    check_delta_rule(70, s, usize::MAX, 1);
+}
+
+#[test]
+fn chunked_delta_rule_at_the_fixture_head_size() {
+    let s = DeltaRuleShape {
+        num_k_heads: 2,
+        num_v_heads: 2,
+        k_head_dim: 32,
+        v_head_dim: 32,
+    };
+    check_delta_rule(130, s, usize::MAX, 1);
+}
+
+#[test]
+fn the_emulator_rewrites_every_shared_declaration() {
+    let src = emulator_source("kernels/delta_rule.cu");
+    assert!(!src.contains("__shared__"), "a shared declaration was left");
+    assert!(src.contains("float* sm = emu::dynamic_smem<float>();"));
+    assert!(!src.contains("asm(") && !src.contains("asm volatile("));
+}

@@ -1,0 +1,153 @@
+// A CPU emulator for the CUDA kernels in kernels/*.cu, for tests on machines without a GPU.
+//
+// Each block runs alone, one OS thread per CUDA thread: `__syncthreads()` is a barrier of the
+// block's threads, and the warp shuffles exchange through a per-warp buffer between two
+// barriers of the warp's 32 threads. `__shared__` arrays become function statics (one block
+// at a time, so one copy is right) and the dynamic shared memory is a heap buffer of exactly
+// the launch's size, so AddressSanitizer reports a kernel that reads past what the host
+// reserved, and UBSan a misaligned float4. The kernel sources are included after a textual
+// rewrite (tests/cuda_emulated.rs `emulator_source`): `asm` becomes `EMU_ASM`, which aborts,
+// `extern __shared__ T x[];` becomes a pointer to the dynamic buffer.
+//
+// What it does not model: timing, memory ordering between blocks, warp-synchronous code that
+// relies on lockstep without a shuffle or barrier, and the float contraction of nvcc (the host
+// compiler rounds each product); results are compared with tolerances, never bit for bit
+// against a GPU.
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+
+namespace emu {
+
+struct Dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+struct Warp {
+    std::barrier<> bar{32};
+    float f[32];
+};
+
+inline thread_local Dim3 thread_idx, block_idx;
+inline Dim3 block_dim, grid_dim;
+inline thread_local std::barrier<>* block_barrier = nullptr;
+inline thread_local Warp* warp = nullptr;
+inline thread_local unsigned lane = 0;
+inline unsigned char* dynamic_smem_base = nullptr;
+
+template <typename T>
+T* dynamic_smem() {
+    return reinterpret_cast<T*>(dynamic_smem_base);
+}
+
+[[noreturn]] inline void unsupported_asm() {
+    std::fprintf(stderr, "emu: a kernel reached inline PTX, which the CPU emulator cannot run\n");
+    std::abort();
+}
+
+inline float shuffle(float v, unsigned src) {
+    Warp* w = warp;
+    w->f[lane] = v;
+    w->bar.arrive_and_wait();
+    const float r = w->f[src & 31u];
+    w->bar.arrive_and_wait();
+    return r;
+}
+
+// Runs `kernel` over `grid` blocks of `block` threads (a multiple of 32) with `smem` bytes of
+// dynamic shared memory, blocks in order x, y, z.
+template <typename Kernel>
+void launch(Dim3 grid, Dim3 block, size_t smem, Kernel kernel) {
+    const unsigned threads = block.x * block.y * block.z;
+    if (threads == 0 || threads % 32 != 0 || threads > 1024) {
+        std::fprintf(stderr, "emu: block of %u threads (want a multiple of 32, at most 1024)\n", threads);
+        std::abort();
+    }
+    grid_dim = grid;
+    block_dim = block;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                std::unique_ptr<unsigned char[]> shared(new unsigned char[smem == 0 ? 1 : smem]);
+                // Garbage, as on the GPU: a kernel that reads shared memory before writing it
+                // gets NaNs, not zeros.
+                std::memset(shared.get(), 0xff, smem);
+                dynamic_smem_base = smem == 0 ? nullptr : shared.get();
+                std::barrier<> bar(threads);
+                std::unique_ptr<Warp[]> warps(new Warp[threads / 32]);
+                std::vector<std::thread> pool;
+                pool.reserve(threads);
+                for (unsigned t = 0; t < threads; t++) {
+                    pool.emplace_back([&, t] {
+                        thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                        block_idx = {bx, by, bz};
+                        block_barrier = &bar;
+                        warp = &warps[t / 32];
+                        lane = t % 32;
+                        kernel();
+                    });
+                }
+                for (auto& th : pool) th.join();
+            }
+    dynamic_smem_base = nullptr;
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::thread_idx)
+#define blockIdx (emu::block_idx)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define EMU_ASM(...) (emu::unsupported_asm())
+#define __syncthreads() (emu::block_barrier->arrive_and_wait())
+
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+using std::max;
+using std::min;
+
+inline float __shfl_sync(unsigned, float v, int src, int = 32) { return emu::shuffle(v, (unsigned)src); }
+inline float __shfl_xor_sync(unsigned, float v, int mask, int = 32) { return emu::shuffle(v, emu::lane ^ (unsigned)mask); }
+inline float __shfl_up_sync(unsigned, float v, unsigned d, int = 32) {
+    return emu::shuffle(v, emu::lane >= d ? emu::lane - d : emu::lane);
+}
+inline float __shfl_down_sync(unsigned, float v, unsigned d, int = 32) {
+    return emu::shuffle(v, emu::lane + d < 32 ? emu::lane + d : emu::lane);
+}
+template <typename T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline float __int_as_float(int i) { return __uint_as_float((unsigned)i); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
+inline float __expf(float x) { return expf(x); }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
