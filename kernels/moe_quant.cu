@@ -11,7 +11,7 @@
 #define MOE_Q_MAX_ROWS 8
 
 // R: the rows a group may hold (1 for a decode step, where every group has one row: its own
-// registers and twice the loads in flight; MOE_Q_MAX_ROWS otherwise).
+// kernel, registers and twice the loads in flight; MOE_Q_MAX_ROWS otherwise).
 template <int FMT, int R>
 __device__ __forceinline__ void moe_q_gate_up_impl(const u64* groups, const u32* rows, const float* x, float* act,
                                                    int hidden, int inter, u64 row_bytes, int interleaved) {
@@ -130,28 +130,39 @@ __device__ __forceinline__ void moe_q_down_impl(const u64* groups, const float* 
     }
 
 // x [n, hidden] → act [slots, inter] = silu(gate · x) · (up · x). grid (ceil(inter / warps), G);
-// one warp per output column. hidden a multiple of 8 (every block format's groups). A group of
-// one row (every group of a decode step) takes the one-row code.
+// one warp per output column. hidden a multiple of 8 (every block format's groups). Groups of
+// up to MOE_Q_MAX_ROWS rows.
 extern "C" __global__ void moe_q_gate_up(const u64* groups, const u32* rows, const float* x, float* act, int fmt,
                                          int hidden, int inter, u64 row_bytes, int interleaved) { KERNEL_START();
-#define MOE_Q_GU(F)                                                                              \
-    if (groups[(u64)blockIdx.y * 6 + 3] == 1)                                                    \
-        moe_q_gate_up_impl<F, 1>(groups, rows, x, act, hidden, inter, row_bytes, interleaved);   \
-    else                                                                                         \
-        moe_q_gate_up_impl<F, MOE_Q_MAX_ROWS>(groups, rows, x, act, hidden, inter, row_bytes, interleaved)
+#define MOE_Q_GU(F) moe_q_gate_up_impl<F, MOE_Q_MAX_ROWS>(groups, rows, x, act, hidden, inter, row_bytes, interleaved)
     MOE_Q_DISPATCH(MOE_Q_GU)
 #undef MOE_Q_GU
+}
+
+// The same where every group has one row (every decode step): a kernel of its own, because a
+// kernel's registers are those of its largest path. Within moe_q_gate_up the one-row code had
+// the eight-row code's 123 registers (a quarter of an SM's warps resident, for a kernel that
+// waits on dependent loads); alone it takes 64, and moe_q_down_1 40 instead of 128.
+extern "C" __global__ void moe_q_gate_up_1(const u64* groups, const u32* rows, const float* x, float* act, int fmt,
+                                           int hidden, int inter, u64 row_bytes, int interleaved) { KERNEL_START();
+#define MOE_Q_GU1(F) moe_q_gate_up_impl<F, 1>(groups, rows, x, act, hidden, inter, row_bytes, interleaved)
+    MOE_Q_DISPATCH(MOE_Q_GU1)
+#undef MOE_Q_GU1
 }
 
 // act [slots, inter] → ys [slots, hidden] = act · downᵀ per group.
 // grid (ceil(hidden / (warps · MOE_Q_DOWN_RPW)), G).
 extern "C" __global__ void moe_q_down(const u64* groups, const float* act, float* ys, int fmt, int hidden, int inter,
                                       u64 row_bytes) { KERNEL_START();
-#define MOE_Q_D(F)                                                       \
-    if (groups[(u64)blockIdx.y * 6 + 3] == 1)                            \
-        moe_q_down_impl<F, 1>(groups, act, ys, hidden, inter, row_bytes); \
-    else                                                                 \
-        moe_q_down_impl<F, MOE_Q_MAX_ROWS>(groups, act, ys, hidden, inter, row_bytes)
+#define MOE_Q_D(F) moe_q_down_impl<F, MOE_Q_MAX_ROWS>(groups, act, ys, hidden, inter, row_bytes)
     MOE_Q_DISPATCH(MOE_Q_D)
 #undef MOE_Q_D
+}
+
+// moe_q_down where every group has one row (see moe_q_gate_up_1).
+extern "C" __global__ void moe_q_down_1(const u64* groups, const float* act, float* ys, int fmt, int hidden, int inter,
+                                        u64 row_bytes) { KERNEL_START();
+#define MOE_Q_D1(F) moe_q_down_impl<F, 1>(groups, act, ys, hidden, inter, row_bytes)
+    MOE_Q_DISPATCH(MOE_Q_D1)
+#undef MOE_Q_D1
 }

@@ -640,10 +640,17 @@ impl CudaBackend {
             let groups_dev = self.upload(&small, "MoE quantized expert groups");
             let act = self.alloc(slots_total * inter * 4, "MoE expert activations");
             let warps = 8usize;
-            launch!(self, "moe_q_gate_up", (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
+            // Every group one row (a decode step): the one-row kernels, with fewer registers.
+            let one_row = small.chunks(6).all(|g| g[3] == 1);
+            let (gate_up, down) = if one_row {
+                ("moe_q_gate_up_1", "moe_q_down_1")
+            } else {
+                ("moe_q_gate_up", "moe_q_down")
+            };
+            launch!(self, gate_up, (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
                 groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
                 gq.row_bytes as u64, interleaved as i32);
-            launch!(self, "moe_q_down", (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
+            launch!(self, down, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
                 groups_dev.ptr, act.ptr, ys.ptr, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
         } else if !small.is_empty() {
             let groups = small.len() / 4;

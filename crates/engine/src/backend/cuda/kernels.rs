@@ -76,7 +76,15 @@ fn quant_functions() -> Vec<String> {
         .map(|rows| format!("quant_matvec_{rows}"))
         .collect();
     v.push("quant_dequant_rows".into());
-    v.extend(["moe_q_gate_up".into(), "moe_q_down".into()]);
+    v.extend(
+        [
+            "moe_q_gate_up",
+            "moe_q_gate_up_1",
+            "moe_q_down",
+            "moe_q_down_1",
+        ]
+        .map(String::from),
+    );
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
     v.push("quantize_x_q8r".into());
