@@ -99,6 +99,15 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
     rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus, xq, xs);
 }
 
+// The hyper-connection norms: RMSNorm over groups of `group` values, each value then scaled by
+// its column's `scale` (the (1 + w) row of `span` values, span a multiple of group, spanning
+// all streams): group g takes scale[(g·group) mod span + i]. One launch where rms_norm with a
+// zero weight and scale_cols took two; the same products in the same order, so the same bits.
+extern "C" __global__ void rms_norm_wide(const float* x, const float* scale, float* out, int group, int span, float eps,
+                                         unsigned char* xq, float* xs) { KERNEL_START();
+    rms_norm_group((float*)x, nullptr, scale + ((u64)blockIdx.x * group) % span, nullptr, out, group, eps, 0, xq, xs);
+}
+
 // Per-head RMSNorm then rotate-half RoPE on the first rotary_dim dims of the head (as the
 // `rope` kernel), one block per (row, head); the partner of each rotated dim is normed again
 // from x, so no value has to wait for another thread's.

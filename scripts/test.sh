@@ -53,7 +53,7 @@ export CAPY_TEST_PYTHON="$venv/bin/python"
 # One clean build: incremental caches would only add ~4 GB of disk that is never reused.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 free_kib=$(df -Pk "$root" | awk 'NR==2 {print $4}')
-echo "free disk at $root: $((free_kib / 1024 / 1024)) GiB (a clean run of this script needs about 10 GiB)"
+echo "free disk at $root: $((free_kib / 1024 / 1024)) GiB (a clean run of this script needs about 6 GiB)"
 export CAPY_CACHE_DIR="$root/target/capy-cache"
 
 say "format"

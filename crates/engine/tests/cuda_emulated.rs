@@ -10,7 +10,7 @@
 //! except under `CI=true`, where the compiler is installed and a skip would hide a failure.
 #![cfg(feature = "cuda")]
 
-use capy_engine::backend::cuda::ChunkedDeltaRulePlan;
+use capy_engine::backend::cuda::{norm_threads, ChunkedDeltaRulePlan};
 use capy_engine::backend::DeltaRuleShape;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,13 +20,16 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// kernels/common.cuh and `file` rewritten for the emulator: inline PTX aborts, dynamic shared
+/// kernels/common.cuh and `files` rewritten for the emulator: inline PTX aborts, dynamic shared
 /// memory is the launch's buffer, static shared arrays are statics (one block at a time).
-fn emulator_source(file: &str) -> String {
+fn emulator_source(files: &[&str]) -> String {
     let read = |p: &str| {
         std::fs::read_to_string(repo_root().join(p)).unwrap_or_else(|e| panic!("reading {p}: {e}"))
     };
-    let src = read("kernels/common.cuh") + &read(file);
+    let file = files.join(", ");
+    let src = files
+        .iter()
+        .fold(read("kernels/common.cuh"), |acc, f| acc + &read(f));
     let mut out = String::with_capacity(src.len());
     for line in src
         .replace("asm volatile(", "EMU_ASM(")
@@ -62,8 +65,8 @@ fn cxx() -> Result<String, String> {
     }
 }
 
-/// Builds `cuda_emulated/<driver>.cpp` with `kernel_file` once per test process.
-fn build(driver: &str, kernel_file: &str) -> Option<PathBuf> {
+/// Builds `cuda_emulated/<driver>.cpp` with `kernel_files` (after kernels/common.cuh).
+fn build(driver: &str, kernel_files: &[&str]) -> Option<PathBuf> {
     let cxx = match cxx() {
         Ok(c) => c,
         Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
@@ -74,9 +77,11 @@ fn build(driver: &str, kernel_file: &str) -> Option<PathBuf> {
             return None;
         }
     };
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emulated");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("cuda-emulation")
+        .join(driver);
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("kernels.inc"), emulator_source(kernel_file)).unwrap();
+    std::fs::write(dir.join("kernels.inc"), emulator_source(kernel_files)).unwrap();
     let exe = dir.join(driver);
     let src_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulated");
     let out = Command::new(&cxx)
@@ -100,7 +105,7 @@ fn build(driver: &str, kernel_file: &str) -> Option<PathBuf> {
         .expect("running the C++ compiler");
     assert!(
         out.status.success(),
-        "compiling the emulated {kernel_file} failed:\n{}",
+        "compiling the emulated {kernel_files:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     Some(exe)
@@ -108,8 +113,35 @@ fn build(driver: &str, kernel_file: &str) -> Option<PathBuf> {
 
 fn delta_rule_driver() -> Option<&'static Path> {
     static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("delta_rule", "kernels/delta_rule.cu"))
+    EXE.get_or_init(|| build("delta_rule", &["kernels/delta_rule.cu"]))
         .as_deref()
+}
+
+fn norm_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("norm", &["kernels/norm.cu", "kernels/hyper.cu"]))
+        .as_deref()
+}
+
+/// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
+/// lines ending in `ok`.
+fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
+    let out = Command::new(exe)
+        .args(args.iter().map(|a| a.to_string()))
+        .output()
+        .expect("running the emulated kernels");
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        text.matches(": ok").count(),
+        checks,
+        "expected {checks} checks of {what}: {text}"
+    );
 }
 
 /// Runs the chunked kernels over `n` tokens of shape `s` with the backend's launch plan (the
@@ -137,21 +169,11 @@ fn check_delta_rule(n: usize, s: DeltaRuleShape, workspace_bytes: usize, min_seg
         ChunkedDeltaRulePlan::TILE,
         7,
     ];
-    let out = Command::new(exe)
-        .args(args.iter().map(|a| a.to_string()))
-        .output()
-        .expect("running the emulated kernels");
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}");
-    assert!(
-        out.status.success(),
-        "emulated delta rule failed for n={n} {s:?} ({plan:?}):\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        text.matches(": ok").count(),
+    run_driver(
+        exe,
+        &args,
         2,
-        "expected both kernels checked: {text}"
+        &format!("the emulated delta rule for n={n} {s:?} ({plan:?})"),
     );
 }
 
@@ -195,8 +217,25 @@ fn chunked_delta_rule_at_the_fixture_head_size() {
 
 #[test]
 fn the_emulator_rewrites_every_shared_declaration() {
-    let src = emulator_source("kernels/delta_rule.cu");
+    let src = emulator_source(&["kernels/delta_rule.cu", "kernels/norm.cu"]);
     assert!(!src.contains("__shared__"), "a shared declaration was left");
     assert!(src.contains("float* sm = emu::dynamic_smem<float>();"));
     assert!(!src.contains("asm(") && !src.contains("asm volatile("));
+}
+
+#[test]
+fn the_fused_wide_norm_equals_norm_then_scale_bit_for_bit() {
+    // Flash-Next's hyper-connection norms: 4 streams of 2560, one row (decode) and three
+    // (prefill); and a group above the register path's 8192 values (the looping path).
+    let Some(exe) = norm_driver() else {
+        return;
+    };
+    for (rows, streams, group) in [(1, 4, 2560), (3, 4, 2560), (1, 2, 9216)] {
+        run_driver(
+            exe,
+            &[rows, streams, group, norm_threads(group), 5],
+            3,
+            &format!("the emulated wide norm ({rows} rows, {streams} streams of {group})"),
+        );
+    }
 }

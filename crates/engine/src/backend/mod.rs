@@ -378,6 +378,21 @@ pub trait Backend: Send + Sync + 'static {
             &cpu::hyper::scale_cols(&self.to_host(x), &self.to_host(scale)),
         )
     }
+    /// The hyper-connection norms: [`Backend::rms_norm`] over groups of `group` columns with a
+    /// zero weight (`zero`: `group` zeros, as `(1 + 0)`), then [`Backend::scale_cols`] by the
+    /// `(1 + w)` row `scale` (`[1, span]`), whose weight spans all streams (`span` a multiple of
+    /// `group`, the row's columns a multiple of `span`). A backend may do both in one pass.
+    fn wide_rms_norm(
+        &self,
+        x: &Self::Act,
+        zero: &Self::Vector,
+        scale: &Self::Act,
+        eps: f32,
+        group: usize,
+    ) -> Self::Act {
+        let normed = self.rms_norm(x, zero, eps, NormScale::OnePlus, group);
+        self.scale_cols(&normed, scale)
+    }
     /// `silu(x · scale)`.
     fn silu_scaled(&self, x: &Self::Act, scale: f32) -> Self::Act {
         let (rows, cols) = self.shape(x);

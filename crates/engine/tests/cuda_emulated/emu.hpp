@@ -49,6 +49,10 @@ T* dynamic_smem() {
     return reinterpret_cast<T*>(dynamic_smem_base);
 }
 
+// The larger of a running maximum and a new error, keeping a NaN (std::max would drop it, and
+// a kernel that reads unwritten memory passes).
+inline double worst(double acc, double e) { return e > acc || e != e ? e : acc; }
+
 [[noreturn]] inline void unsupported_asm() {
     std::fprintf(stderr, "emu: a kernel reached inline PTX, which the CPU emulator cannot run\n");
     std::abort();

@@ -140,7 +140,7 @@ pub fn sources() -> Vec<KernelSource> {
         (
             "norm",
             include_str!("../../../../../kernels/norm.cu"),
-            ["rms_norm", "add_rms_norm", "rms_norm_rope"]
+            ["rms_norm", "add_rms_norm", "rms_norm_rope", "rms_norm_wide"]
                 .map(String::from)
                 .to_vec(),
         ),

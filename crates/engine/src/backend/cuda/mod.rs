@@ -739,7 +739,7 @@ const NORM_VALS: usize = 8;
 /// Threads of a norm block over groups of `group` values: each thread keeps up to
 /// `NORM_VALS` of them in registers, so a 5120-value decode row is one round of loads over
 /// 640 threads instead of 20 dependent rounds over 256.
-fn norm_threads(group: usize) -> usize {
+pub fn norm_threads(group: usize) -> usize {
     ceil_div(ceil_div(group, NORM_VALS), 32).clamp(1, 32) * 32
 }
 
@@ -2545,6 +2545,31 @@ impl Backend for CudaBackend {
     }
 
     // --- Flash-Next ops: kernels in kernels/{hyper,qsa,moe}.cu, driven from flash_next.rs ---
+    fn wide_rms_norm(
+        &self,
+        x: &CudaTensor,
+        _zero: &CudaVector,
+        scale: &CudaTensor,
+        eps: f32,
+        group: usize,
+    ) -> CudaTensor {
+        let span = scale.len();
+        assert!(
+            group > 0 && span.is_multiple_of(group) && x.cols.is_multiple_of(span),
+            "wide_rms_norm: groups of {group} with a scale of {span} over rows of {} columns",
+            x.cols
+        );
+        let out = self.norm_out(x, group);
+        let groups = x.len() / group;
+        if groups > 0 {
+            let threads = norm_threads(group);
+            let (xq, xs) = out.q8_args();
+            launch!(self, "rms_norm_wide", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                x.ptr(), scale.ptr(), out.ptr(), group as i32, span as i32, eps, xq, xs);
+        }
+        out
+    }
+
     fn scale_cols(&self, x: &CudaTensor, scale: &CudaTensor) -> CudaTensor {
         self.fn_scale_cols(x, scale)
     }

@@ -128,13 +128,6 @@ impl<B: Backend> WideNorm<B> {
     }
 
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
-        let normed = b.rms_norm(
-            x,
-            &self.zero,
-            self.eps,
-            crate::backend::NormScale::OnePlus,
-            self.group,
-        );
-        b.scale_cols(&normed, &self.scale)
+        b.wide_rms_norm(x, &self.zero, &self.scale, self.eps, self.group)
     }
 }
