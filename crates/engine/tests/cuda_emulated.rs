@@ -37,7 +37,7 @@ fn emulator_source(files: &[&str]) -> String {
         .lines()
     {
         // `extern __shared__ T name[];` → `T* name = emu::dynamic_smem<T>();`
-        let t = line.trim();
+        let t = line.split("//").next().unwrap_or("").trim();
         if let Some(decl) = t
             .strip_prefix("extern __shared__ ")
             .and_then(|d| d.strip_suffix("[];"))
@@ -120,6 +120,12 @@ fn delta_rule_driver() -> Option<&'static Path> {
 fn norm_driver() -> Option<&'static Path> {
     static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
     EXE.get_or_init(|| build("norm", &["kernels/norm.cu", "kernels/hyper.cu"]))
+        .as_deref()
+}
+
+fn moe_route_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("moe_route", &["kernels/moe.cu"]))
         .as_deref()
 }
 
@@ -217,7 +223,7 @@ fn chunked_delta_rule_at_the_fixture_head_size() {
 
 #[test]
 fn the_emulator_rewrites_every_shared_declaration() {
-    let src = emulator_source(&["kernels/delta_rule.cu", "kernels/norm.cu"]);
+    let src = emulator_source(&["kernels/delta_rule.cu", "kernels/norm.cu", "kernels/moe.cu"]);
     assert!(!src.contains("__shared__"), "a shared declaration was left");
     assert!(src.contains("float* sm = emu::dynamic_smem<float>();"));
     assert!(!src.contains("asm(") && !src.contains("asm volatile("));
@@ -236,6 +242,25 @@ fn the_fused_wide_norm_equals_norm_then_scale_bit_for_bit() {
             &[rows, streams, group, norm_threads(group), 5],
             3,
             &format!("the emulated wide norm ({rows} rows, {streams} streams of {group})"),
+        );
+    }
+}
+
+#[test]
+fn moe_routing_picks_the_stable_top_k_with_ties_at_the_top() {
+    // Flash-Next's 512 experts, top 10, both with and without renormalising; a small router
+    // (fewer experts than lanes); rows with exact ties at the top.
+    let Some(exe) = moe_route_driver() else {
+        return;
+    };
+    for (rows, experts, k, normalize) in [(3, 512, 10, 1), (2, 512, 10, 0), (2, 20, 4, 1)] {
+        run_driver(
+            exe,
+            &[rows, experts, k, normalize, 11],
+            2,
+            &format!(
+                "the emulated routing ({rows} rows, top {k} of {experts}, normalize {normalize})"
+            ),
         );
     }
 }

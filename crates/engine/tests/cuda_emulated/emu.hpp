@@ -34,7 +34,7 @@ struct Dim3 {
 
 struct Warp {
     std::barrier<> bar{32};
-    float f[32];
+    uint32_t bits[32];
 };
 
 inline thread_local Dim3 thread_idx, block_idx;
@@ -58,11 +58,15 @@ inline double worst(double acc, double e) { return e > acc || e != e ? e : acc; 
     std::abort();
 }
 
-inline float shuffle(float v, unsigned src) {
+// Lane `src`'s value of `v`: every lane of the warp must call it, as with the real shuffles.
+template <typename T>
+inline T shuffle(T v, unsigned src) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
     Warp* w = warp;
-    w->f[lane] = v;
+    std::memcpy(&w->bits[lane], &v, 4);
     w->bar.arrive_and_wait();
-    const float r = w->f[src & 31u];
+    T r;
+    std::memcpy(&r, &w->bits[src & 31u], 4);
     w->bar.arrive_and_wait();
     return r;
 }
@@ -124,18 +128,34 @@ struct alignas(16) float4 {
     float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
 
 using std::max;
 using std::min;
 
-inline float __shfl_sync(unsigned, float v, int src, int = 32) { return emu::shuffle(v, (unsigned)src); }
-inline float __shfl_xor_sync(unsigned, float v, int mask, int = 32) { return emu::shuffle(v, emu::lane ^ (unsigned)mask); }
-inline float __shfl_up_sync(unsigned, float v, unsigned d, int = 32) {
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src, int = 32) {
+    return emu::shuffle(v, (unsigned)src);
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask, int = 32) {
+    return emu::shuffle(v, emu::lane ^ (unsigned)mask);
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
     return emu::shuffle(v, emu::lane >= d ? emu::lane - d : emu::lane);
 }
-inline float __shfl_down_sync(unsigned, float v, unsigned d, int = 32) {
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned d, int = 32) {
     return emu::shuffle(v, emu::lane + d < 32 ? emu::lane + d : emu::lane);
 }
+// Every lane of the warp must reach it (the emulator has no partial masks).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp->bar.arrive_and_wait(); }
 template <typename T>
 inline T __ldg(const T* p) {
     return *p;

@@ -37,6 +37,8 @@ const QSA_SCRATCH_BYTES: usize = 256 << 20;
 const QSA_MAX_D: usize = 256;
 /// The most routed experts per token the routing kernel takes.
 const MOE_MAX_TOP_K: usize = 64;
+/// The most experts the routing kernel takes: 32 lanes × `MOE_ROUTE_PER_LANE` (moe.cu).
+const MOE_ROUTE_MAX_EXPERTS: usize = 32 * 32;
 
 /// Kernel arguments: each expression is copied into a local and passed by address.
 macro_rules! launch {
@@ -495,9 +497,8 @@ impl CudaBackend {
             "moe: top_k {top_k} is above the routing kernel's {MOE_MAX_TOP_K}"
         );
         assert!(
-            experts * 4 <= 48 << 10,
-            "moe: {experts} experts are above the routing kernel's {}",
-            (48 << 10) / 4
+            experts <= MOE_ROUTE_MAX_EXPERTS,
+            "moe: {experts} experts are above the routing kernel's {MOE_ROUTE_MAX_EXPERTS}"
         );
         if n == 0 {
             return MoeRouting {
