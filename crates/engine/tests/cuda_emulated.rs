@@ -129,6 +129,12 @@ fn moe_route_driver() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn qsa_select_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("qsa_select", &["kernels/qsa.cu"]))
+        .as_deref()
+}
+
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
@@ -223,7 +229,12 @@ fn chunked_delta_rule_at_the_fixture_head_size() {
 
 #[test]
 fn the_emulator_rewrites_every_shared_declaration() {
-    let src = emulator_source(&["kernels/delta_rule.cu", "kernels/norm.cu", "kernels/moe.cu"]);
+    let src = emulator_source(&[
+        "kernels/delta_rule.cu",
+        "kernels/norm.cu",
+        "kernels/moe.cu",
+        "kernels/qsa.cu",
+    ]);
     assert!(!src.contains("__shared__"), "a shared declaration was left");
     assert!(src.contains("float* sm = emu::dynamic_smem<float>();"));
     assert!(!src.contains("asm(") && !src.contains("asm volatile("));
@@ -261,6 +272,24 @@ fn moe_routing_picks_the_stable_top_k_with_ties_at_the_top() {
             &format!(
                 "the emulated routing ({rows} rows, top {k} of {experts}, normalize {normalize})"
             ),
+        );
+    }
+}
+
+#[test]
+fn qsa_selects_the_stable_top_blocks_then_the_tail() {
+    // Flash-Next's block budget (512 blocks of 4 tokens) at ~8K context, queries on both sides
+    // of the point where blocks outnumber the budget, and a small budget over many blocks
+    // (several blocks a thread).
+    let Some(exe) = qsa_select_driver() else {
+        return;
+    };
+    for (rows, past, topk, ratio) in [(4, 8190, 512, 4), (6, 2048, 512, 4), (3, 3000, 7, 2)] {
+        run_driver(
+            exe,
+            &[rows, past, topk, ratio, 3],
+            1,
+            &format!("the emulated QSA selection ({rows} queries after {past}, top {topk} blocks of {ratio})"),
         );
     }
 }

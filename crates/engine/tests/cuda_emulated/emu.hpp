@@ -71,6 +71,17 @@ inline T shuffle(T v, unsigned src) {
     return r;
 }
 
+// The lanes' predicates as a bit mask (every lane of the warp calls it).
+inline unsigned ballot(int pred) {
+    Warp* w = warp;
+    w->bits[lane] = pred != 0;
+    w->bar.arrive_and_wait();
+    unsigned r = 0;
+    for (unsigned l = 0; l < 32; l++) r |= w->bits[l] << l;
+    w->bar.arrive_and_wait();
+    return r;
+}
+
 // Runs `kernel` over `grid` blocks of `block` threads (a multiple of 32) with `smem` bytes of
 // dynamic shared memory, blocks in order x, y, z.
 template <typename Kernel>
@@ -154,6 +165,12 @@ template <typename T>
 inline T __shfl_down_sync(unsigned, T v, unsigned d, int = 32) {
     return emu::shuffle(v, emu::lane + d < 32 ? emu::lane + d : emu::lane);
 }
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline unsigned __ballot_sync(unsigned, int pred) { return emu::ballot(pred); }
 // Every lane of the warp must reach it (the emulator has no partial masks).
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp->bar.arrive_and_wait(); }
 template <typename T>
@@ -171,6 +188,7 @@ inline unsigned __float_as_uint(float f) {
     return u;
 }
 inline float __int_as_float(int i) { return __uint_as_float((unsigned)i); }
+inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 inline float __expf(float x) { return expf(x); }

@@ -1,0 +1,64 @@
+// kernels/qsa.cu `qsa_select` on the CPU emulator (emu.hpp): each query's token list (every
+// token while the key blocks are few; past that, the topk best-scoring blocks in ascending
+// order, ties to the lower block as the CPU's stable sort, then the tail of the incomplete
+// block) against a reference written from that definition. Scores take few distinct values,
+// so ties straddle the threshold, and include -0.0 and +0.0 (ordered as f32::total_cmp).
+//
+// usage: qsa_select rows past topk ratio seed
+#include "emu.hpp"
+#include "kernels.inc"
+
+#include <numeric>
+#include <random>
+#include <string>
+
+int main(int argc, char** argv) {
+    if (argc < 6) {
+        std::fprintf(stderr, "usage: %s rows past topk ratio seed\n", argv[0]);
+        return 2;
+    }
+    const int rows = std::stoi(argv[1]), past = std::stoi(argv[2]), topk = std::stoi(argv[3]);
+    const int ratio = std::stoi(argv[4]);
+    std::mt19937_64 rng(std::stoull(argv[5]));
+    const int last = past + rows - 1;
+    const int stride = (last + 1) / ratio + 1, cap = last + 1;
+    const float values[] = {-1.5f, -0.0f, 0.0f, 0.25f, 0.5f, 0.5f, 1.0f, 2.0f, 3.5f};
+    std::unique_ptr<float[]> scores(new float[(size_t)rows * stride]);
+    for (size_t e = 0; e < (size_t)rows * stride; e++) scores[e] = values[rng() % 9];
+    std::unique_ptr<int[]> tokens(new int[(size_t)rows * cap]), counts(new int[rows]);
+    emu::launch({(unsigned)rows, 1, 1}, {256, 1, 1}, 0, [&] {
+        qsa_select(scores.get(), tokens.get(), counts.get(), past, topk, ratio, stride, cap);
+    });
+
+    int wrong_rows = 0;
+    for (int i = 0; i < rows; i++) {
+        const int pos = past + i, complete = (pos + 1) / ratio;
+        std::vector<int> want;
+        if (complete <= topk) {
+            for (int t = 0; t <= pos; t++) want.push_back(t);
+        } else {
+            const float* row = scores.get() + (size_t)i * stride;
+            auto key = [](float f) {
+                int32_t x;
+                std::memcpy(&x, &f, 4);
+                x ^= (int32_t)((uint32_t)(x >> 31) >> 1);
+                return (uint32_t)x ^ 0x80000000u;
+            };
+            std::vector<int> blocks(complete);
+            std::iota(blocks.begin(), blocks.end(), 0);
+            std::stable_sort(blocks.begin(), blocks.end(), [&](int a, int b) { return key(row[a]) > key(row[b]); });
+            blocks.resize(topk);
+            std::sort(blocks.begin(), blocks.end());
+            for (int b : blocks)
+                for (int j = 0; j < ratio; j++) want.push_back(b * ratio + j);
+            for (int t = complete * ratio; t <= pos; t++) want.push_back(t);
+        }
+        const int* got = tokens.get() + (size_t)i * cap;
+        const bool same = counts[i] == (int)want.size() && std::equal(want.begin(), want.end(), got);
+        if (!same && wrong_rows++ < 3)
+            std::printf("query %d (position %d): %d tokens, want %zu\n", i, pos, counts[i], want.size());
+    }
+    std::printf("qsa_select: %d of %d token lists differ from the reference: %s\n", wrong_rows, rows,
+                wrong_rows == 0 ? "ok" : "DIFFERENT");
+    return wrong_rows == 0 ? 0 : 1;
+}
