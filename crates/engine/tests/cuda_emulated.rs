@@ -135,6 +135,12 @@ fn qsa_select_driver() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn qsa_attention_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("qsa_attention", &["kernels/attention.cu", "kernels/qsa.cu"]))
+        .as_deref()
+}
+
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
@@ -290,6 +296,26 @@ fn qsa_selects_the_stable_top_blocks_then_the_tail() {
             &[rows, past, topk, ratio, 3],
             1,
             &format!("the emulated QSA selection ({rows} queries after {past}, top {topk} blocks of {ratio})"),
+        );
+    }
+}
+
+#[test]
+fn qsa_attention_over_token_lists_matches_the_softmax_reference() {
+    // Flash-Next's heads (24 query heads on 2 KV heads of 256) over lists split in parts of 128
+    // (the host's QSA_SPLIT: 32 keys a warp, one prefetch batch), and a short split with
+    // several batches a warp and ragged ends.
+    let Some(exe) = qsa_attention_driver() else {
+        return;
+    };
+    for (rows, tokens, heads, kv_heads, d, split) in
+        [(2, 300, 24, 2, 256, 128), (3, 200, 4, 2, 64, 200)]
+    {
+        run_driver(
+            exe,
+            &[rows, tokens, heads, kv_heads, d, split, 9],
+            1,
+            &format!("the emulated QSA attention ({rows} queries, {tokens} tokens, split {split})"),
         );
     }
 }
