@@ -141,6 +141,12 @@ fn qsa_attention_driver() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn attention_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("attention", &["kernels/attention.cu"]))
+        .as_deref()
+}
+
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
@@ -316,6 +322,28 @@ fn qsa_attention_over_token_lists_matches_the_softmax_reference() {
             &[rows, tokens, heads, kv_heads, d, split, 9],
             1,
             &format!("the emulated QSA attention ({rows} queries, {tokens} tokens, split {split})"),
+        );
+    }
+}
+
+#[test]
+fn decode_attention_matches_the_causal_softmax_reference() {
+    // The 27B's full-attention layers (24 query heads on 4 KV heads of 256: 6 a block) over
+    // splits of 64 keys, with the last split partial; a group of 8 (two blocks a KV head, the
+    // second with 2 heads); and two query rows (speculative or batched decode: causal).
+    let Some(exe) = attention_driver() else {
+        return;
+    };
+    for (rows, past, heads, kv_heads, d, split) in [
+        (1, 300, 24, 4, 256, 64),
+        (2, 150, 16, 2, 128, 64),
+        (1, 40, 4, 4, 64, 128),
+    ] {
+        run_driver(
+            exe,
+            &[rows, past, heads, kv_heads, d, split, 13],
+            1,
+            &format!("the emulated decode attention ({rows} rows after {past}, {heads}/{kv_heads} heads of {d})"),
         );
     }
 }
