@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Builds what the GPU box runs (it has no Rust): the release capy-flash and every CUDA test
 # executable, stripped, into .gpu/ (keep .gpu/ in .git/info/exclude) so that a device call can
-# carry that one folder. Usage: tools/gpu_box/build.sh   (from the repository root)
+# carry that one folder. The tests travel as .gpu/tests.tar.xz (common.sh unpacks it on the box):
+# with the tree and .gpu-base they would pass the call's 64 MiB carry limit uncompressed. Usage: tools/gpu_box/build.sh   (from the repository root)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p capy-flash
+rm -rf .gpu/tests .gpu/tests.tar.xz
 mkdir -p .gpu/tests
 cp "${CARGO_TARGET_DIR:-target}/release/capy-flash" .gpu/
 strip .gpu/capy-flash
@@ -25,4 +27,6 @@ pwd > .gpu/built_at
 # Bench records name the commit their binary was built from (the box's copy of the tree does
 # not carry this checkout's git state); "+dirty" when the tree had uncommitted changes.
 echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- crates kernels || echo +dirty)" > .gpu/commit
-ls -la .gpu .gpu/tests
+tar -C .gpu -cJf .gpu/tests.tar.xz tests
+rm -rf .gpu/tests
+ls -la .gpu

@@ -6,6 +6,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
 export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
 LOGS=/tmp/capy-logs
 rm -rf "$LOGS"; mkdir -p "$LOGS"
+[ -f .gpu/tests.tar.xz ] && tar -C .gpu -xJf .gpu/tests.tar.xz
 built_at=$(cat .gpu/built_at)
 if [ "$built_at" != "$PWD" ] && [ ! -e "$built_at" ]; then
   mkdir -p "$(dirname "$built_at")" && ln -s "$PWD" "$built_at"
