@@ -229,6 +229,16 @@ extern "C" __global__ void moe_gather_rows(const float* x, const u32* rows, floa
     }
 }
 
+// moe_gather_rows into BF16 (the grouped GEMM's activations on the fast path).
+extern "C" __global__ void moe_gather_rows_bf16(const float* x, const u32* rows, u16* out, u64 cnt, int cols) { KERNEL_START();
+    const u64 n = cnt * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / cols;
+        const int c = (int)(i - r * cols);
+        out[i] = f32_to_bf16(x[(u64)rows[r] * cols + c]);
+    }
+}
+
 // gu [rows, 2·inter] → act [rows, inter] = silu(gu[:, :inter]) · gu[:, inter:].
 extern "C" __global__ void moe_swiglu_halves(const float* gu, float* act, u64 rows, int inter) { KERNEL_START();
     const u64 n = rows * inter;
@@ -247,6 +257,19 @@ extern "C" __global__ void moe_swiglu_pairs(const float* gu, float* act, u64 row
         const u64 r = i / inter;
         const int j = (int)(i - r * inter);
         act[i] = silu_f(gu[r * 2 * inter + 2 * j]) * gu[r * 2 * inter + 2 * j + 1];
+    }
+}
+
+// moe_swiglu_halves (pairs = 0) or moe_swiglu_pairs (pairs = 1) into BF16: the down projection's
+// activations for the grouped GEMM on the fast path.
+extern "C" __global__ void moe_swiglu_bf16(const float* gu, u16* act, u64 rows, int inter, int pairs) { KERNEL_START();
+    const u64 n = rows * inter;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / inter;
+        const int j = (int)(i - r * inter);
+        const float* g = gu + r * 2 * inter;
+        const float v = pairs ? silu_f(g[2 * j]) * g[2 * j + 1] : silu_f(g[j]) * g[inter + j];
+        act[i] = f32_to_bf16(v);
     }
 }
 

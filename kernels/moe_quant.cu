@@ -166,3 +166,19 @@ extern "C" __global__ void moe_q_down_1(const u64* groups, const float* act, flo
     MOE_Q_DISPATCH(MOE_Q_D1)
 #undef MOE_Q_D1
 }
+
+// Prefill's grouped experts (flash_next.rs, moe_grouped_gemm): one launch widens the same
+// matrix of every expert of a chunk into out [G, rows, cols] (f32, or BF16 with out_bf16), for
+// one grouped GEMM. table [G, 2] u64: the matrix's pointer, its multiplier (f32 bits in the low
+// half). grid (blocks, G); each block row grid-strides over one expert's rows × (cols / 8).
+extern "C" __global__ void moe_q_dequant(const u64* table, int fmt, int rows, int cols, u64 row_bytes, void* out,
+                                         int out_bf16) { KERNEL_START();
+    const u64* t = table + (u64)blockIdx.y * 2;
+    const unsigned char* w = (const unsigned char*)t[0];
+    const float mult = __uint_as_float((u32)t[1]);
+    const u64 elems = (u64)rows * cols * (out_bf16 ? 2 : 4);
+    void* o = (unsigned char*)out + (u64)blockIdx.y * elems;
+#define MOE_Q_DQ(F) dequant_rows_impl<F>(w, nullptr, 0, rows, cols, row_bytes, mult, o, out_bf16)
+    MOE_Q_DISPATCH(MOE_Q_DQ)
+#undef MOE_Q_DQ
+}

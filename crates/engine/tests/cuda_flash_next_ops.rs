@@ -447,14 +447,15 @@ fn routed_experts_match_cpu() {
 }
 
 /// Quantized experts (the hybrid expert cache keeps its resident copies in their block
-/// format): the GPU must not read them as dense rows. Decode (one row) and a small batch.
+/// format): the GPU must not read them as dense rows. Decode (one row), a small batch (the
+/// grouped matvec), and a prefill batch whose experts take more than 8 rows each (the grouped
+/// GEMMs: at Flash-Next's shape 24 experts are two chunks of the dequantization scratch).
 #[test]
 fn quantized_routed_experts_match_cpu() {
     use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(11);
-    let count = 12usize;
     // A small shape and Flash-Next's (2560 × 640: 80 groups a down row, 2560 down rows).
     for (hidden, inter, (gate_fmt, down_fmt)) in [(512usize, 128usize), (2560, 640)]
         .into_iter()
@@ -462,6 +463,7 @@ fn quantized_routed_experts_match_cpu() {
             [("nvfp4", "nvfp4"), ("iq3_s", "q2_0"), ("q8_0", "q8_0")].map(|f| (h, i, f))
         })
     {
+        let count = if hidden == 2560 { 24usize } else { 12 };
         let (fg, fd) = (
             RowFormat::parse(gate_fmt).unwrap(),
             RowFormat::parse(down_fmt).unwrap(),
@@ -481,7 +483,7 @@ fn quantized_routed_experts_match_cpu() {
                 down: g.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
             });
         }
-        for n in [1usize, 5] {
+        for n in [1usize, 5, 96] {
             let logits = r.vec(n * count, 2.0);
             let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), 4, true);
             let (xc, xg) = pair(&g, n, hidden, &r.vec(n * hidden, 1.0));
@@ -491,5 +493,66 @@ fn quantized_routed_experts_match_cpu() {
                 &format!("moe_experts {gate_fmt}/{down_fmt} {n} rows, {count} experts top 4, {hidden}x{inter}"),
             );
         }
+    }
+}
+
+/// The fast path's prefill experts (the grouped GEMMs on BF16 operands) against the CPU's
+/// exact sums: BF16 rounds each weight and activation to 8 bits of mantissa, so the check is
+/// relative to the output's size (a misplaced row or expert is off by ~100%).
+#[test]
+fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
+    use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
+    let fast = match CudaBackend::with_exact_math(0, None, false) {
+        Ok(b) => b,
+        Err(e) => return println!("skipping: no usable CUDA device: {e:#}"),
+    };
+    let c = CpuBackend::new();
+    let mut r = Rng(12);
+    let (hidden, inter, count, n) = (2560usize, 640usize, 24usize, 96usize);
+    for (gate_fmt, down_fmt) in [("iq3_s", "q2_0"), ("nvfp4", "nvfp4")] {
+        let (fg, fd) = (
+            RowFormat::parse(gate_fmt).unwrap(),
+            RowFormat::parse(down_fmt).unwrap(),
+        );
+        let (mut ec, mut eg) = (Vec::new(), Vec::new());
+        for e in 0..count as u64 {
+            let gu = random_blocks(fg, 2 * inter * hidden / fg.block_len(), 300 + e);
+            let down = random_blocks(fd, hidden * inter / fd.block_len(), 400 + e);
+            let (mg, md) = (0.01, 0.02);
+            ec.push(ExpertMatrices {
+                gate_up: c.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
+                down: c.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
+            });
+            eg.push(ExpertMatrices {
+                gate_up: fast.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
+                down: fast.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
+            });
+        }
+        let logits = r.vec(n * count, 2.0);
+        let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), 4, true);
+        let x = r.vec(n * hidden, 1.0);
+        let got = fast.to_host(&fast.moe_experts(&fast.from_host(n, hidden, &x), &routing, &eg));
+        let want = c
+            .moe_experts(&c.from_host(n, hidden, &x), &routing, &ec)
+            .data;
+        let rms = |v: &mut dyn Iterator<Item = f32>| {
+            let (s, k) = v.fold((0f64, 0usize), |(s, k), x| (s + (x as f64).powi(2), k + 1));
+            (s / k.max(1) as f64).sqrt()
+        };
+        let scale = rms(&mut want.iter().copied());
+        let err = rms(&mut got.iter().zip(&want).map(|(g, w)| g - w));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f32, f32::max);
+        println!(
+            "fast moe_experts {gate_fmt}/{down_fmt} {n} rows: rms {scale:.3e}, rms |Δ| {err:.3e}, max |Δ| {worst:.3e}"
+        );
+        assert!(scale > 0.0 && got.iter().all(|v| v.is_finite()));
+        assert!(
+            err <= 1e-2 * scale && (worst as f64) <= 0.1 * scale,
+            "fast moe_experts {gate_fmt}/{down_fmt}: rms |Δ| {err:.3e}, max |Δ| {worst:.3e} against an output rms of {scale:.3e}"
+        );
     }
 }

@@ -82,6 +82,7 @@ fn quant_functions() -> Vec<String> {
             "moe_q_gate_up_1",
             "moe_q_down",
             "moe_q_down_1",
+            "moe_q_dequant",
         ]
         .map(String::from),
     );

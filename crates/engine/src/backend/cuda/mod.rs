@@ -445,6 +445,8 @@ struct Inner {
     /// Some matrix was repacked into NVFP4 or IQ3_S records: one-row producers write int8
     /// copies.
     records_loaded: std::sync::atomic::AtomicBool,
+    /// Set once cuBLAS has refused a grouped GEMM (warned once, then per-problem GEMMs).
+    grouped_gemm_warned: std::sync::atomic::AtomicBool,
     /// Which records matvec a one-row product takes (`RecordsKernel`, as `records_kernel_code`).
     records_kernel: AtomicU64,
     /// Kernels are launched with programmatic dependent launch (kernels/common.cuh): sm_90 and
@@ -963,6 +965,7 @@ impl CudaBackend {
                 nvfp4_records: std::sync::atomic::AtomicBool::new(nvfp4_records::enabled_by_env()),
                 iq3s_records: std::sync::atomic::AtomicBool::new(iq3s_records::enabled_by_env()),
                 records_loaded: std::sync::atomic::AtomicBool::new(false),
+                grouped_gemm_warned: std::sync::atomic::AtomicBool::new(false),
                 pdl: cc.0 >= 9 && pdl_enabled(),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
@@ -2018,6 +2021,107 @@ impl CudaBackend {
             "cublasGemmStridedBatchedEx (m={m}, n={n}, k={k}, batch {batch}) failed: {r:?}"
         );
     }
+
+    /// Problems that share their types but not their sizes (the routed experts of a prefill
+    /// step: the same weight shape, each expert its own token count) as one grouped cuBLAS
+    /// call, each problem a group of one: `C_i = op(A_i)·op(B_i)` in f32, operands as
+    /// [`gemm`](Self::gemm) takes them, `(m, n, k)` and the three device pointers per problem.
+    /// Where this cuBLAS lacks grouped GEMM for these types (or at all), the same products as
+    /// one `cublasGemmEx` per problem.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_grouped(
+        &self,
+        (trans_a, trans_b): (bool, bool),
+        problems: &[GroupedProblem],
+        (a_type, lda): (blas_sys::cudaDataType, usize),
+        (b_type, ldb): (blas_sys::cudaDataType, usize),
+        ldc: usize,
+        compute: blas_sys::cublasComputeType_t,
+    ) {
+        if problems.is_empty() {
+            return;
+        }
+        let count = problems.len();
+        // Pointer arrays live on the device; sizes, scalars and operations on the host.
+        let mut ptrs: Vec<u64> = Vec::with_capacity(3 * count);
+        ptrs.extend(problems.iter().map(|p| p.a));
+        ptrs.extend(problems.iter().map(|p| p.b));
+        ptrs.extend(problems.iter().map(|p| p.c));
+        let ptrs_dev = self.upload(&ptrs, "grouped GEMM pointers");
+        let int = |v: usize| vec![v as i32; count];
+        let (ms, ns, ks): (Vec<i32>, Vec<i32>, Vec<i32>) = (
+            problems.iter().map(|p| p.m as i32).collect(),
+            problems.iter().map(|p| p.n as i32).collect(),
+            problems.iter().map(|p| p.k as i32).collect(),
+        );
+        let (ta, tb) = (vec![blas_op(trans_a); count], vec![blas_op(trans_b); count]);
+        let (alpha, beta) = (vec![1f32; count], vec![0f32; count]);
+        let (ldas, ldbs, ldcs, sizes) = (int(lda), int(ldb), int(ldc), int(1));
+        self.queue_work();
+        let status = {
+            let h = self.inner.blas.lock().expect("cuBLAS handle poisoned");
+            // SAFETY: every host array holds `count` entries; the device pointer arrays hold
+            // live operands of the given sizes and leading dimensions (callers check shapes).
+            unsafe {
+                blas_sys::cublasGemmGroupedBatchedEx(
+                    h.0,
+                    ta.as_ptr(),
+                    tb.as_ptr(),
+                    ms.as_ptr(),
+                    ns.as_ptr(),
+                    ks.as_ptr(),
+                    alpha.as_ptr() as *const c_void,
+                    ptrs_dev.ptr as *const *const c_void,
+                    a_type,
+                    ldas.as_ptr(),
+                    (ptrs_dev.ptr + 8 * count as u64) as *const *const c_void,
+                    b_type,
+                    ldbs.as_ptr(),
+                    beta.as_ptr() as *const c_void,
+                    (ptrs_dev.ptr + 16 * count as u64) as *const *mut c_void,
+                    blas_sys::cudaDataType::CUDA_R_32F,
+                    ldcs.as_ptr(),
+                    count as i32,
+                    sizes.as_ptr(),
+                    compute,
+                )
+            }
+        };
+        if status == blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return;
+        }
+        if !self.inner.grouped_gemm_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "cublasGemmGroupedBatchedEx ({a_type:?} × {b_type:?} → f32, {compute:?}) returned \
+                 {status:?}; the routed experts' prefill GEMMs run one call per expert instead"
+            );
+        }
+        for p in problems {
+            self.gemm(
+                trans_a,
+                trans_b,
+                p.m,
+                p.n,
+                p.k,
+                1.0,
+                (p.a, a_type, lda),
+                (p.b, b_type, ldb),
+                (p.c, ldc),
+                compute,
+            );
+        }
+    }
+}
+
+/// One problem of [`CudaBackend::gemm_grouped`]: `C (m × n) = op(A)·op(B)` with inner size `k`.
+#[derive(Clone, Copy, Debug)]
+struct GroupedProblem {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: u64,
+    b: u64,
+    c: u64,
 }
 
 impl Backend for CudaBackend {
