@@ -147,6 +147,12 @@ fn attention_driver() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn conversions_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("conversions", &["kernels/elementwise.cu", "kernels/moe.cu"]))
+        .as_deref()
+}
+
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
@@ -344,6 +350,29 @@ fn decode_attention_matches_the_causal_softmax_reference() {
             &[rows, past, heads, kv_heads, d, split, 13],
             1,
             &format!("the emulated decode attention ({rows} rows after {past}, {heads}/{kv_heads} heads of {d})"),
+        );
+    }
+}
+
+/// The prefill's BF16 conversions: the vectorized `f32_to_bf16_kernel` at aligned and unaligned
+/// operands with a tail, and the grouped experts' gather and SwiGLU into BF16 against the f32
+/// kernels they replace (cuda_emulated/conversions.cpp).
+#[test]
+fn bf16_conversions_match_the_scalar_rounding() {
+    let Some(exe) = conversions_driver() else {
+        return;
+    };
+    for (n, rows, cols) in [
+        (0usize, 1usize, 8usize),
+        (1, 3, 40),
+        (1031, 5, 96),
+        (4096, 17, 64),
+    ] {
+        run_driver(
+            exe,
+            &[n, rows, cols, 3],
+            6,
+            &format!("the emulated BF16 conversions (n={n}, {rows}x{cols})"),
         );
     }
 }

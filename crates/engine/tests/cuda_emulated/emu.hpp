@@ -145,6 +145,7 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 
 using std::max;
 using std::min;

@@ -1658,7 +1658,7 @@ impl CudaBackend {
             None
         } else {
             let xh = self.alloc(x.len() * 2, "16-bit activations");
-            launch!(self, "f32_to_bf16_kernel", grid_1d(x.len()), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
+            launch!(self, "f32_to_bf16_kernel", grid_1d(x.len().div_ceil(4)), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
             Some(xh)
         };
         for r0 in (0..m).step_by(block_rows) {
@@ -1723,7 +1723,9 @@ impl CudaBackend {
             } else {
                 "f32_to_f16_kernel"
             };
-            launch!(self, conv, grid_1d(x.len()), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
+            // The BF16 kernel converts four values a thread.
+            let per_thread = if w.dtype == WeightType::BF16 { 4 } else { 1 };
+            launch!(self, conv, grid_1d(x.len().div_ceil(per_thread)), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
             self.gemm(
                 true,
                 false,
@@ -1896,7 +1898,7 @@ impl CudaBackend {
         let exact = self.inner.exact;
         let to_bf16 = |x: &CudaTensor, elems: usize, what: &str| {
             let h = self.alloc(elems * 2, what);
-            launch!(self, "f32_to_bf16_kernel", grid_1d(elems), (256, 1, 1), 0; x.ptr(), h.ptr, elems as u64);
+            launch!(self, "f32_to_bf16_kernel", grid_1d(elems.div_ceil(4)), (256, 1, 1), 0; x.ptr(), h.ptr, elems as u64);
             h
         };
         let half = (!exact).then(|| {

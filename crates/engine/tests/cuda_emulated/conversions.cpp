@@ -1,0 +1,92 @@
+// The prefill's BF16 conversions on the CPU emulator (emu.hpp): kernels/elementwise.cu
+// `f32_to_bf16_kernel` (four values a thread where x and out are aligned) against the scalar
+// `f32_to_bf16` of every value, at aligned and unaligned operands and lengths with a tail, with
+// the values just past the end untouched; kernels/moe.cu `moe_gather_rows_bf16` and
+// `moe_swiglu_bf16` against the f32 kernels they stand for (`moe_gather_rows`,
+// `moe_swiglu_halves`, `moe_swiglu_pairs`) followed by the same rounding, bit for bit.
+//
+// usage: conversions n rows cols seed
+#include "emu.hpp"
+#include "kernels.inc"
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+static unsigned blocks_for(size_t threads) { return (unsigned)std::max<size_t>(1, (threads + 255) / 256); }
+
+static bool check(const char* what, size_t differ, size_t total) {
+    std::printf("%s: %zu of %zu values differ: %s\n", what, differ, total, differ ? "FAILED" : "ok");
+    return differ == 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc < 5) {
+        std::fprintf(stderr, "usage: %s n rows cols seed\n", argv[0]);
+        return 2;
+    }
+    const size_t n = std::stoul(argv[1]);
+    const int rows = std::stoi(argv[2]), cols = std::stoi(argv[3]);
+    std::mt19937_64 rng(std::stoull(argv[4]));
+    std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+    bool ok = true;
+
+    // Values with every rounding case: ties to even both ways, NaN, infinities, denormals.
+    std::vector<float> x(n + 8);
+    const float special[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity(), 1.0f + 1.0f / 256.0f, 1.0f + 3.0f / 256.0f,
+                             -0.0f, 1e-40f, 3.0e38f};
+    for (size_t i = 0; i < x.size(); i++) x[i] = i % 5 == 0 ? special[(i / 5) % 8] : u(rng);
+    // (x offset, out offset): aligned; x off by one float (no float4 loads); out off by one u16.
+    for (auto [xo, oo] : {std::pair<size_t, size_t>{0, 0}, {1, 0}, {0, 1}}) {
+        std::vector<u16> out(n + 8, 0xabcd);
+        const float* xp = x.data() + xo;
+        u16* op = out.data() + oo;
+        emu::launch({blocks_for((n + 3) / 4), 1, 1}, {256, 1, 1}, 0, [&] { f32_to_bf16_kernel(xp, op, (u64)n); });
+        size_t differ = 0;
+        for (size_t i = 0; i < n; i++) differ += op[i] != f32_to_bf16(xp[i]);
+        for (size_t i = n + oo; i < out.size(); i++) differ += out[i] != 0xabcd;
+        for (size_t i = 0; i < oo; i++) differ += out[i] != 0xabcd;
+        const std::string what = "f32_to_bf16_kernel n=" + std::to_string(n) + " x+" + std::to_string(xo) +
+                                 " out+" + std::to_string(oo);
+        ok &= check(what.c_str(), differ, n);
+    }
+
+    // Gather: slot r takes row rows_of[r] of a [src_rows, cols] activation.
+    const int src_rows = rows + 3;
+    std::vector<float> src((size_t)src_rows * cols);
+    for (auto& v : src) v = u(rng);
+    std::vector<u32> rows_of(rows);
+    for (auto& r : rows_of) r = (u32)(rng() % src_rows);
+    const size_t total = (size_t)rows * cols;
+    std::vector<float> gathered(total);
+    std::vector<u16> gathered_bf16(total);
+    emu::launch({blocks_for(total), 1, 1}, {256, 1, 1}, 0,
+                [&] { moe_gather_rows(src.data(), rows_of.data(), gathered.data(), (u64)rows, cols); });
+    emu::launch({blocks_for(total), 1, 1}, {256, 1, 1}, 0,
+                [&] { moe_gather_rows_bf16(src.data(), rows_of.data(), gathered_bf16.data(), (u64)rows, cols); });
+    size_t differ = 0;
+    for (size_t i = 0; i < total; i++) differ += gathered_bf16[i] != f32_to_bf16(gathered[i]);
+    ok &= check("moe_gather_rows_bf16", differ, total);
+
+    // SwiGLU over [rows, 2·inter] gate/up outputs, halves and interleaved pairs.
+    const int inter = cols;
+    std::vector<float> gu((size_t)rows * 2 * inter);
+    for (auto& v : gu) v = u(rng);
+    for (int pairs = 0; pairs < 2; pairs++) {
+        std::vector<float> act(total);
+        std::vector<u16> act_bf16(total);
+        emu::launch({blocks_for(total), 1, 1}, {256, 1, 1}, 0, [&] {
+            if (pairs) moe_swiglu_pairs(gu.data(), act.data(), (u64)rows, inter);
+            else moe_swiglu_halves(gu.data(), act.data(), (u64)rows, inter);
+        });
+        emu::launch({blocks_for(total), 1, 1}, {256, 1, 1}, 0,
+                    [&] { moe_swiglu_bf16(gu.data(), act_bf16.data(), (u64)rows, inter, pairs); });
+        differ = 0;
+        for (size_t i = 0; i < total; i++) differ += act_bf16[i] != f32_to_bf16(act[i]);
+        ok &= check(pairs ? "moe_swiglu_bf16 pairs" : "moe_swiglu_bf16 halves", differ, total);
+    }
+    return ok ? 0 : 1;
+}
