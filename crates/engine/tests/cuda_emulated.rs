@@ -354,11 +354,12 @@ fn decode_attention_matches_the_causal_softmax_reference() {
     }
 }
 
-/// The prefill's BF16 conversions: the vectorized `f32_to_bf16_kernel` at aligned and unaligned
-/// operands with a tail, and the grouped experts' gather and SwiGLU into BF16 against the f32
-/// kernels they replace (cuda_emulated/conversions.cpp).
+/// The prefill's elementwise passes: the vectorized `f32_to_bf16_kernel` at aligned and
+/// unaligned operands with a tail, the grouped experts' gather and SwiGLU into BF16 against the
+/// f32 kernels they replace, and `split_cols4` / `silu_mul_halves` four values a thread and one
+/// (cuda_emulated/conversions.cpp).
 #[test]
-fn bf16_conversions_match_the_scalar_rounding() {
+fn prefill_elementwise_kernels_match_their_scalar_forms() {
     let Some(exe) = conversions_driver() else {
         return;
     };
@@ -371,7 +372,7 @@ fn bf16_conversions_match_the_scalar_rounding() {
         run_driver(
             exe,
             &[n, rows, cols, 3],
-            6,
+            10,
             &format!("the emulated BF16 conversions (n={n}, {rows}x{cols})"),
         );
     }

@@ -3,13 +3,17 @@
 // `f32_to_bf16` of every value, at aligned and unaligned operands and lengths with a tail, with
 // the values just past the end untouched; kernels/moe.cu `moe_gather_rows_bf16` and
 // `moe_swiglu_bf16` against the f32 kernels they stand for (`moe_gather_rows`,
-// `moe_swiglu_halves`, `moe_swiglu_pairs`) followed by the same rounding, bit for bit.
+// `moe_swiglu_halves`, `moe_swiglu_pairs`) followed by the same rounding, bit for bit; and
+// `split_cols4` and `silu_mul_halves` (four values a thread where widths and pointers allow)
+// against a plain copy and the scalar SwiGLU, for widths that take the four-value path and
+// widths that do not.
 //
 // usage: conversions n rows cols seed
 #include "emu.hpp"
 #include "kernels.inc"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -87,6 +91,47 @@ int main(int argc, char** argv) {
         differ = 0;
         for (size_t i = 0; i < total; i++) differ += act_bf16[i] != f32_to_bf16(act[i]);
         ok &= check(pairs ? "moe_swiglu_bf16 pairs" : "moe_swiglu_bf16 halves", differ, total);
+    }
+    // split_cols4: four pieces of a [rows, src_cols] matrix starting at column b0, the grid as
+    // the launcher sizes it (a quarter of the values where every bound is a multiple of 4).
+    const int q = std::max(4, cols / 4 * 4);
+    const int layouts[2][5] = {{4, 4 + q, 4 + q + 8, 4 + 2 * q + 8, 4 + 2 * q + 16},
+                               {1, 1 + q + 1, 1 + q + 4, 1 + 2 * q + 6, 1 + 2 * q + 9}};
+    for (const auto& b : layouts) {
+        const int src_cols = b[4] + 4;
+        std::vector<float> m((size_t)rows * src_cols);
+        for (auto& v : m) v = u(rng);
+        std::vector<std::vector<float>> d(4);
+        for (int j = 0; j < 4; j++) d[j].assign((size_t)rows * (b[j + 1] - b[j]), -7.0f);
+        const bool quads = ((b[0] | b[1] | b[2] | b[3] | b[4] | src_cols) & 3) == 0;
+        const size_t n = (size_t)rows * (b[4] - b[0]);
+        emu::launch({blocks_for(quads ? n / 4 : n), 1, 1}, {256, 1, 1}, 0, [&] {
+            split_cols4(m.data(), (u64)rows, src_cols, d[0].data(), d[1].data(), d[2].data(), d[3].data(), b[0],
+                        b[1], b[2], b[3], b[4]);
+        });
+        differ = 0;
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < 4; j++)
+                for (int c = b[j]; c < b[j + 1]; c++)
+                    differ += d[j][(size_t)r * (b[j + 1] - b[j]) + (c - b[j])] != m[(size_t)r * src_cols + c];
+        ok &= check(quads ? "split_cols4 four a thread" : "split_cols4 one a thread", differ, n);
+    }
+
+    // silu_mul_halves over [rows, 2·inter], inter a multiple of 4 and not.
+    for (const int half : {q, q + 1}) {
+        std::vector<float> g((size_t)rows * 2 * half), out((size_t)rows * half, -7.0f);
+        for (auto& v : g) v = u(rng);
+        const size_t n = (size_t)rows * half;
+        emu::launch({blocks_for(half % 4 == 0 ? n / 4 : n), 1, 1}, {256, 1, 1}, 0,
+                    [&] { silu_mul_halves(g.data(), out.data(), (u64)rows, half); });
+        differ = 0;
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < half; c++) {
+                const float* row = g.data() + (size_t)r * 2 * half;
+                const float want = silu_f(row[c]) * row[half + c];
+                differ += std::memcmp(&want, &out[(size_t)r * half + c], 4) != 0;
+            }
+        ok &= check(half % 4 == 0 ? "silu_mul_halves four a thread" : "silu_mul_halves one a thread", differ, n);
     }
     return ok ? 0 : 1;
 }

@@ -2371,8 +2371,12 @@ impl Backend for CudaBackend {
                 *b = end;
             }
             let n = x.rows * (end - start);
+            // Four values a thread where the kernel can take them so (kernels/elementwise.cu).
+            let quads = bounds.iter().all(|b| b % 4 == 0)
+                && x.cols % 4 == 0
+                && std::iter::once(x.ptr()).chain(dst).all(|p| p % 16 == 0);
             if n > 0 {
-                launch!(self, "split_cols4", grid_1d(n), (256, 1, 1), 0;
+                launch!(self, "split_cols4", grid_1d(if quads { n / 4 } else { n }), (256, 1, 1), 0;
                     x.ptr(), x.rows as u64, x.cols as i32, dst[0], dst[1], dst[2], dst[3],
                     bounds[0] as i32, bounds[1] as i32, bounds[2] as i32, bounds[3] as i32, bounds[4] as i32);
             }
@@ -2585,7 +2589,9 @@ impl Backend for CudaBackend {
         match out.q8_args() {
             _ if n == 0 => {}
             (0, _) => {
-                launch!(self, "silu_mul_halves", grid_1d(n), (256, 1, 1), 0;
+                // Four values a thread where the kernel can take them so (kernels/elementwise.cu).
+                let quads = inter % 4 == 0 && gate_up.ptr() % 16 == 0 && out.ptr() % 16 == 0;
+                launch!(self, "silu_mul_halves", grid_1d(if quads { n / 4 } else { n }), (256, 1, 1), 0;
                     gate_up.ptr(), out.ptr(), gate_up.rows as u64, inter as i32);
             }
             (xq, xs) => {
