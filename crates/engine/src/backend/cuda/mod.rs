@@ -745,13 +745,15 @@ pub fn norm_threads(group: usize) -> usize {
     ceil_div(ceil_div(group, NORM_VALS), 32).clamp(1, 32) * 32
 }
 
-/// Keys per split of the decode attention: enough splits for about 4 blocks an SM (a decode
-/// step has only KV heads × query rows blocks a split: 4 for the 27B, and with 128-key splits
-/// at 8K context the cache was read by 2 blocks an SM at 1.2 TB/s), at least 64 keys a split
-/// (every split costs the combine a partial row), and at most 1024 splits (attn_combine's
-/// limit).
-fn attention_split_len(total: usize, blocks_per_split: usize, multiprocessors: usize) -> usize {
-    let want_splits = ceil_div(4 * multiprocessors.max(1), blocks_per_split.max(1));
+/// Keys per split of the decode attention: enough splits to fill every block slot of the GPU
+/// once (`resident_blocks`: the SMs times the blocks of `attn_split` an SM holds, which its
+/// registers decide: 3 of 168-register blocks on sm_90) — a decode step has only KV heads ×
+/// query rows blocks a split (4 for the 27B); with 128-key splits at 8K context the cache was
+/// read by 2 blocks an SM at 1.2 TB/s, and with 4 blocks an SM sized for 4 slots a step ran
+/// 1.3 waves, its last third of the blocks alone on the GPU. At least 64 keys a split (every
+/// split costs the combine a partial row), and at most 1024 splits (attn_combine's limit).
+fn attention_split_len(total: usize, blocks_per_split: usize, resident_blocks: usize) -> usize {
+    let want_splits = ceil_div(resident_blocks.max(1), blocks_per_split.max(1));
     ceil_div(total, want_splits)
         .max(64)
         .max(ceil_div(total, 1024))
@@ -1343,6 +1345,26 @@ impl CudaBackend {
         buf
     }
 
+    /// How many blocks of `threads` threads (and `smem` bytes of dynamic shared memory) of
+    /// kernel `name` one SM holds at once, as the driver computes it from the compiled
+    /// kernel's registers and shared memory; None if the driver does not say.
+    fn resident_blocks_per_sm(&self, name: &str, threads: u32, smem: usize) -> Option<usize> {
+        let f = self.inner.functions.get(name)?;
+        let mut blocks: std::ffi::c_int = 0;
+        // SAFETY: `f.0` is a loaded function of this context; the driver writes one int.
+        unsafe {
+            drv_sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut blocks,
+                f.0,
+                threads as std::ffi::c_int,
+                smem,
+            )
+        }
+        .result()
+        .ok()?;
+        (blocks > 0).then_some(blocks as usize)
+    }
+
     fn launch_raw(
         &self,
         name: &str,
@@ -1811,10 +1833,13 @@ impl CudaBackend {
         // Up to 6 query heads of one KV head a block (kernels/attention.cu, ATTN_GQA_MAX).
         let group = s.num_heads / s.num_kv_heads;
         let blocks = s.num_kv_heads * ceil_div(group, 6);
+        let sms = self.inner.info.multiprocessors.max(1) as usize;
         let split_len = attention_split_len(
             total,
             blocks * n,
-            self.inner.info.multiprocessors.max(1) as usize,
+            sms * self
+                .resident_blocks_per_sm("attn_split", 128, 0)
+                .unwrap_or(4),
         );
         let splits = ceil_div(total, split_len).max(1);
         let part_o = self.alloc(
@@ -3148,15 +3173,19 @@ mod tests {
 
     #[test]
     fn attention_splits_fill_the_gpu_within_the_combine_limit() {
-        // The 27B at 8K on an H100: 4 blocks a split, 132 SMs → 128 splits of 64 keys.
-        assert_eq!(attention_split_len(8192, 4, 132), 64);
-        // Longer contexts: about 4 blocks an SM, longer splits.
-        assert_eq!(attention_split_len(65536, 4, 132), 497);
+        // The 27B at 8K on an H100: 4 blocks a split, 132 SMs of 3 resident blocks → 99
+        // splits of 83 keys, 396 blocks: one full wave (not 129 splits of 64 in 1.3 waves).
+        assert_eq!(attention_split_len(8193, 4, 3 * 132), 83);
+        assert_eq!(ceil_div(8193, 83) * 4, 3 * 132);
+        // Four resident blocks an SM: 128 splits of 64 keys.
+        assert_eq!(attention_split_len(8192, 4, 4 * 132), 64);
+        // Longer contexts: longer splits.
+        assert_eq!(attention_split_len(65536, 4, 4 * 132), 497);
         // Short contexts keep 64 keys a split.
-        assert_eq!(attention_split_len(100, 4, 132), 64);
+        assert_eq!(attention_split_len(100, 4, 4 * 132), 64);
         for total in [1, 63, 64, 65, 8191, 100_000, 131_072, 131_073, 1 << 20] {
-            for (blocks, sms) in [(1, 1), (4, 132), (48, 170), (1, 1000)] {
-                let len = attention_split_len(total, blocks, sms);
+            for (blocks, slots) in [(1, 1), (4, 396), (4, 528), (48, 680), (1, 4000)] {
+                let len = attention_split_len(total, blocks, slots);
                 let splits = ceil_div(total, len);
                 assert!(len >= 64, "{total} keys: splits of {len}");
                 assert!(splits <= 1024, "{total} keys: {splits} splits");
