@@ -2397,9 +2397,11 @@ impl Backend for CudaBackend {
             }
             let n = x.rows * (end - start);
             // Four values a thread where the kernel can take them so (kernels/elementwise.cu).
-            let quads = bounds.iter().all(|b| b % 4 == 0)
-                && x.cols % 4 == 0
-                && std::iter::once(x.ptr()).chain(dst).all(|p| p % 16 == 0);
+            let quads = bounds.iter().all(|b| b.is_multiple_of(4))
+                && x.cols.is_multiple_of(4)
+                && std::iter::once(x.ptr())
+                    .chain(dst)
+                    .all(|p| p.is_multiple_of(16));
             if n > 0 {
                 launch!(self, "split_cols4", grid_1d(if quads { n / 4 } else { n }), (256, 1, 1), 0;
                     x.ptr(), x.rows as u64, x.cols as i32, dst[0], dst[1], dst[2], dst[3],
@@ -2615,7 +2617,9 @@ impl Backend for CudaBackend {
             _ if n == 0 => {}
             (0, _) => {
                 // Four values a thread where the kernel can take them so (kernels/elementwise.cu).
-                let quads = inter % 4 == 0 && gate_up.ptr() % 16 == 0 && out.ptr() % 16 == 0;
+                let quads = inter.is_multiple_of(4)
+                    && gate_up.ptr().is_multiple_of(16)
+                    && out.ptr().is_multiple_of(16);
                 launch!(self, "silu_mul_halves", grid_1d(if quads { n / 4 } else { n }), (256, 1, 1), 0;
                     gate_up.ptr(), out.ptr(), gate_up.rows as u64, inter as i32);
             }
