@@ -752,6 +752,18 @@ pub fn norm_threads(group: usize) -> usize {
 /// read by 2 blocks an SM at 1.2 TB/s, and with 4 blocks an SM sized for 4 slots a step ran
 /// 1.3 waves, its last third of the blocks alone on the GPU. At least 64 keys a split (every
 /// split costs the combine a partial row), and at most 1024 splits (attn_combine's limit).
+/// `CAPY_ATTN_SLOTS_PER_SM=N` sizes the decode attention's splits for N blocks an SM instead
+/// of the driver's occupancy (for same-run comparisons; 4 was the fixed assumption before).
+fn attention_slots_override() -> Option<usize> {
+    static SLOTS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *SLOTS.get_or_init(|| {
+        std::env::var("CAPY_ATTN_SLOTS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+    })
+}
+
 fn attention_split_len(total: usize, blocks_per_split: usize, resident_blocks: usize) -> usize {
     let want_splits = ceil_div(resident_blocks.max(1), blocks_per_split.max(1));
     ceil_div(total, want_splits)
@@ -1837,8 +1849,8 @@ impl CudaBackend {
         let split_len = attention_split_len(
             total,
             blocks * n,
-            sms * self
-                .resident_blocks_per_sm("attn_split", 128, 0)
+            sms * attention_slots_override()
+                .or_else(|| self.resident_blocks_per_sm("attn_split", 128, 0))
                 .unwrap_or(4),
         );
         let splits = ceil_div(total, split_len).max(1);
