@@ -176,12 +176,14 @@ __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, fl
 // Row r of a head (rows_per_head rows each) sees columns 0..first_len + r; `store(t, p)` writes
 // the normalised probability of column t (0 past the mask). Two passes over the row (the max and
 // the sum online, then the values) instead of three: at 30K keys the scores are read from and
-// written to memory, so passes are what this costs.
-template <typename Store>
-__device__ __forceinline__ void causal_softmax_row(const float* row, int cols, int len, Store store) {
+// written to memory, so passes are what this costs. `visible(t)` (for t < len): QSA's token
+// mask (TokenMask, below), else every column.
+template <typename Store, typename Visible>
+__device__ __forceinline__ void causal_softmax_row(const float* row, int cols, int len, Store store, Visible visible) {
     __shared__ float sm_m[32], sm_s[32];
     float m = -INFINITY, s = 0.0f;
     for (int t = threadIdx.x; t < len; t += blockDim.x) {
+        if (!visible(t)) continue;
         const float x = row[t];
         if (x > m) {
             s = (m == -INFINITY ? 0.0f : s * expf(m - x)) + 1.0f;
@@ -208,23 +210,46 @@ __device__ __forceinline__ void causal_softmax_row(const float* row, int cols, i
         softmax_combine(m, s, m2, s2);
     }
     const float inv = 1.0f / s;
-    for (int t = threadIdx.x; t < cols; t += blockDim.x) store(t, t < len ? expf(row[t] - m) * inv : 0.0f);
+    for (int t = threadIdx.x; t < cols; t += blockDim.x)
+        store(t, t < len && visible(t) ? expf(row[t] - m) * inv : 0.0f);
+}
+
+// QSA prefill through the dense GEMM path: `mask` [rows, mask_words] u32 per query row, bit b
+// set where the query's token list (qsa_select) holds block b (tokens b·ratio ..); null: every
+// token visible. A query always sees its own token (its tail block), so no row is all masked.
+struct TokenMask {
+    const u32* row;
+    int ratio;
+    __device__ __forceinline__ bool operator()(int t) const {
+        if (!row) return true;
+        const int b = t / ratio;
+        return (row[b >> 5] >> (b & 31)) & 1u;
+    }
+};
+
+__device__ __forceinline__ TokenMask token_mask(const u32* mask, int mask_words, int ratio, int row) {
+    return TokenMask{mask ? mask + (u64)row * mask_words : nullptr, ratio};
 }
 
 // scores [heads · rows_per_head, cols] (already scaled), the rows of each head together,
 // normalised in place.
-extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head) { KERNEL_START();
+// mask/mask_words/ratio: QSA's token mask for the launch's rows (TokenMask), or null.
+extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len, int rows_per_head, const u32* mask,
+                                          int mask_words, int ratio) { KERNEL_START();
     float* row = scores + (u64)blockIdx.x * cols;
-    const int len = min(cols, first_len + (int)(blockIdx.x % rows_per_head));
-    causal_softmax_row(row, cols, len, [&](int t, float p) { row[t] = p; });
+    const int r = (int)(blockIdx.x % rows_per_head);
+    const int len = min(cols, first_len + r);
+    causal_softmax_row(row, cols, len, [&](int t, float p) { row[t] = p; }, token_mask(mask, mask_words, ratio, r));
 }
 
 // As `causal_softmax`, writing the probabilities as BF16 into `probs` (the fast path's P·V runs
 // on BF16 tensor cores).
 extern "C" __global__ void causal_softmax_bf16(const float* scores, u16* probs, int cols, int first_len,
-                                               int rows_per_head) { KERNEL_START();
+                                               int rows_per_head, const u32* mask, int mask_words, int ratio) { KERNEL_START();
     const float* row = scores + (u64)blockIdx.x * cols;
     u16* out = probs + (u64)blockIdx.x * cols;
-    const int len = min(cols, first_len + (int)(blockIdx.x % rows_per_head));
-    causal_softmax_row(row, cols, len, [&](int t, float p) { out[t] = f32_to_bf16(p); });
+    const int r = (int)(blockIdx.x % rows_per_head);
+    const int len = min(cols, first_len + r);
+    causal_softmax_row(row, cols, len, [&](int t, float p) { out[t] = f32_to_bf16(p); },
+                       token_mask(mask, mask_words, ratio, r));
 }

@@ -7,7 +7,10 @@
 //    a bitwise search for the topk-th largest score in IEEE total order, listed in ascending
 //    block order, then the tail complete·ratio..=p. Output: a token list per query.
 // 3. `qsa_attn_split` + `attn_combine` (attention.cu): softmax attention over each query's
-//    token list, split over the list like the dense decode kernel.
+//    token list, split over the list like the dense decode kernel (decode: few queries);
+//    prefill: `qsa_token_mask` turns the lists into a block bitmap per query, and the dense
+//    GEMM attention (cuBLAS scores, attention.cu `causal_softmax` with that mask, cuBLAS P·V)
+//    attends over exactly those tokens on tensor cores.
 
 #define QSA_MAX_D 256
 #define QSA_WARPS 4
@@ -259,4 +262,23 @@ extern "C" __global__ void qsa_attn_split(const float* q, const float* k, const 
         part_ml[slot * 2] = mm;
         part_ml[slot * 2 + 1] = ll;
     }
+}
+
+// tokens [n, cap], counts [n] (qsa_select) → mask [n, words] u32: bit b of a row set where the
+// row's list holds a token of block b = t / ratio (the selected blocks and the tail's). One
+// block per row, the row's bitmap built in shared memory (words · 4 bytes, dynamic).
+extern "C" __global__ void qsa_token_mask(const int* tokens, const int* counts, u32* mask, int cap, int ratio,
+                                          int words) { KERNEL_START();
+    extern __shared__ u32 bits[];
+    const int i = blockIdx.x;
+    for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0;
+    __syncthreads();
+    const int* list = tokens + (u64)i * cap;
+    const int len = counts[i];
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const int b = list[j] / ratio;
+        atomicOr(&bits[b >> 5], 1u << (b & 31));
+    }
+    __syncthreads();
+    for (int w = threadIdx.x; w < words; w += blockDim.x) mask[(u64)i * words + w] = bits[w];
 }

@@ -556,3 +556,73 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
         );
     }
 }
+
+/// QSA prefill on the fast path (the masked dense attention on BF16 tensor cores) against the
+/// CPU's exact sparse attention: BF16 rounds Q, K, V and the probabilities, so the check is
+/// relative to the output's size; attending a wrong token set moves rows by far more.
+#[test]
+fn qsa_prefill_on_the_fast_path_stays_near_exact() {
+    let fast = match CudaBackend::with_exact_math(0, None, false) {
+        Ok(b) => b,
+        Err(e) => return println!("skipping: no usable CUDA device: {e:#}"),
+    };
+    let c = CpuBackend::new();
+    let mut r = Rng(21);
+    let a = AttentionShape {
+        num_heads: 24,
+        num_kv_heads: 2,
+        head_dim: 256,
+        scale: 1.0 / 16.0,
+    };
+    let s = QsaShape {
+        index_heads: 4,
+        index_head_dim: 128,
+        block_topk: 512,
+        compress_ratio: 4,
+    };
+    let (total, n) = (2300usize, 300usize);
+    let past = total - n;
+    let (qd, kvd) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
+    let iq = s.index_heads * s.index_head_dim;
+    let blocks = total / s.compress_ratio;
+    let data = [
+        r.vec(n * qd, 1.0),
+        r.vec(total * kvd, 1.0),
+        r.vec(total * kvd, 1.0),
+        r.vec(n * iq, 1.0),
+        r.vec(blocks * s.index_head_dim, 1.0),
+    ];
+    let shapes = [
+        (n, qd),
+        (total, kvd),
+        (total, kvd),
+        (n, iq),
+        (blocks, s.index_head_dim),
+    ];
+    let g: Vec<_> = data
+        .iter()
+        .zip(shapes)
+        .map(|(d, (rows, cols))| fast.from_host(rows, cols, d))
+        .collect();
+    let h: Vec<_> = data
+        .iter()
+        .zip(shapes)
+        .map(|(d, (rows, cols))| c.from_host(rows, cols, d))
+        .collect();
+    let got = fast.to_host(&fast.qsa_attention(&g[0], &g[1], &g[2], &g[3], &g[4], past, a, s));
+    let want = c
+        .qsa_attention(&h[0], &h[1], &h[2], &h[3], &h[4], past, a, s)
+        .data;
+    let rms = |v: &mut dyn Iterator<Item = f32>| {
+        let (sum, k) = v.fold((0f64, 0usize), |(s, k), x| (s + (x as f64).powi(2), k + 1));
+        (sum / k.max(1) as f64).sqrt()
+    };
+    let scale = rms(&mut want.iter().copied());
+    let err = rms(&mut got.iter().zip(&want).map(|(g, w)| g - w));
+    println!("fast qsa_attention {total} tokens, {n} queries: rms {scale:.3e}, rms |Δ| {err:.3e}");
+    assert!(scale > 0.0 && got.iter().all(|v| v.is_finite()));
+    assert!(
+        err <= 2e-2 * scale,
+        "fast qsa_attention: rms |Δ| {err:.3e} against an output rms of {scale:.3e}"
+    );
+}

@@ -170,6 +170,10 @@ template <typename T>
 inline T atomicAdd(T* p, T v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
+template <typename T>
+inline T atomicOr(T* p, T v) {
+    return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+}
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned __ballot_sync(unsigned, int pred) { return emu::ballot(pred); }
 // Every lane of the warp must reach it (the emulator has no partial masks).

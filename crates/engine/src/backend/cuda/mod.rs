@@ -1884,7 +1884,7 @@ impl CudaBackend {
         );
         let out = self.alloc_act(q.rows, q.cols, q.rows);
         if q.rows > 0 {
-            self.attention_gemm_with(q, k, v, past, s, &out, plan);
+            self.attention_gemm_with(q, k, v, past, s, &out, plan, None);
         }
         out
     }
@@ -1900,15 +1900,16 @@ impl CudaBackend {
         out: &CudaTensor,
     ) {
         let plan = AttentionGemmPlan::choose(q.rows, past + q.rows, s);
-        self.attention_gemm_with(q, k, v, past, s, out, plan);
+        self.attention_gemm_with(q, k, v, past, s, out, plan, None);
     }
 
     /// Prefill attention through cuBLAS: for each block of query rows and each group of
     /// `plan.heads_per_call` query heads sharing a key/value head, one strided-batched GEMM
     /// for the scores (K read once for the group), one softmax launch, one batched GEMM for
-    /// P·V. The scores of a block take at most `plan.scratch_elems` floats.
+    /// P·V. The scores of a block take at most `plan.scratch_elems` floats. `mask`: QSA's
+    /// token mask of the query rows (only their listed tokens are attended), or None.
     #[allow(clippy::too_many_arguments)]
-    fn attention_gemm_with(
+    pub(super) fn attention_gemm_with(
         &self,
         q: &CudaTensor,
         k: &CudaTensor,
@@ -1917,6 +1918,7 @@ impl CudaBackend {
         s: AttentionShape,
         out: &CudaTensor,
         plan: AttentionGemmPlan,
+        mask: Option<TokenMask>,
     ) {
         use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
         let (n, d) = (q.rows, s.head_dim);
@@ -1984,12 +1986,19 @@ impl CudaBackend {
                 );
                 let grid = ((rows * batch) as u32, 1, 1);
                 let first = (past + q0 + 1) as i32;
+                let (mask_ptr, words, ratio) = mask.map_or((0u64, 0i32, 1i32), |m| {
+                    (
+                        m.ptr + (q0 * m.words * 4) as u64,
+                        m.words as i32,
+                        m.ratio as i32,
+                    )
+                });
                 if exact {
                     launch!(self, "causal_softmax", grid, (256, 1, 1), 0;
-                        scores.ptr, keys as i32, first, rows as i32);
+                        scores.ptr, keys as i32, first, rows as i32, mask_ptr, words, ratio);
                 } else {
                     launch!(self, "causal_softmax_bf16", grid, (256, 1, 1), 0;
-                        scores.ptr, probs, keys as i32, first, rows as i32);
+                        scores.ptr, probs, keys as i32, first, rows as i32, mask_ptr, words, ratio);
                 }
                 // out_h[rows, d] = P_h · V (column-major: Oᵀ = Vᵀ · P_hᵀ)
                 let o_ptr = out.ptr() + ((q0 * qd + h0 * d) * 4) as u64;
@@ -2150,6 +2159,16 @@ impl CudaBackend {
             );
         }
     }
+}
+
+/// QSA's token mask for [`CudaBackend::attention_gemm_with`]: `[rows, words]` u32 on the
+/// device (kernels/qsa.cu `qsa_token_mask`), bit b of a row set where the query attends the
+/// tokens of block b (`ratio` tokens a block).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TokenMask {
+    pub ptr: u64,
+    pub words: usize,
+    pub ratio: usize,
 }
 
 /// One problem of [`CudaBackend::gemm_grouped`]: `C (m × n) = op(A)·op(B)` with inner size `k`.
