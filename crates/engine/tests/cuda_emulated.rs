@@ -147,6 +147,12 @@ fn attention_driver() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn qsa_mask_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("qsa_mask", &["kernels/attention.cu", "kernels/qsa.cu"]))
+        .as_deref()
+}
+
 fn conversions_driver() -> Option<&'static Path> {
     static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
     EXE.get_or_init(|| build("conversions", &["kernels/elementwise.cu", "kernels/moe.cu"]))
@@ -374,6 +380,28 @@ fn prefill_elementwise_kernels_match_their_scalar_forms() {
             &[n, rows, cols, 3],
             10,
             &format!("the emulated BF16 conversions (n={n}, {rows}x{cols})"),
+        );
+    }
+}
+
+/// QSA prefill's masked dense attention: token lists as `qsa_select` writes them become block
+/// masks, and the masked softmax weighs exactly the listed tokens (cuda_emulated/qsa_mask.cpp).
+#[test]
+fn qsa_token_masks_restrict_the_softmax_to_the_listed_tokens() {
+    let Some(exe) = qsa_mask_driver() else {
+        return;
+    };
+    // (rows, past, ratio, topk): rows within and past the budget, a mask wider than one word.
+    for (rows, past, ratio, topk) in [
+        (20usize, 30usize, 4usize, 3usize),
+        (33, 600, 4, 40),
+        (5, 1, 2, 1),
+    ] {
+        run_driver(
+            exe,
+            &[rows, past, ratio, topk, 5],
+            2,
+            &format!("the emulated QSA token mask ({rows} queries after {past}, blocks of {ratio}, top {topk})"),
         );
     }
 }
