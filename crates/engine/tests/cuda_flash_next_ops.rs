@@ -446,13 +446,51 @@ fn routed_experts_match_cpu() {
     }
 }
 
+/// Random quantized experts of `formats` (gate‖up, down) on the CPU and on `g`, the blocks of
+/// expert e seeded `seed + e` and `seed + 100 + e`.
+fn quant_experts_pair(
+    g: &CudaBackend,
+    (fg, fd): (
+        capy_engine::backend::cpu::experts::RowFormat,
+        capy_engine::backend::cpu::experts::RowFormat,
+    ),
+    count: usize,
+    hidden: usize,
+    inter: usize,
+    seed: u64,
+) -> (Experts<CpuBackend>, Experts<CudaBackend>) {
+    use capy_engine::backend::cpu::experts::random_blocks;
+    let c = CpuBackend::new();
+    let (mut ec, mut eg) = (Vec::new(), Vec::new());
+    for e in 0..count as u64 {
+        let gu = random_blocks(fg, 2 * inter * hidden / fg.block_len(), seed + e);
+        let down = random_blocks(fd, hidden * inter / fd.block_len(), seed + 100 + e);
+        let (mg, md) = (0.01, 0.02);
+        ec.push(ExpertMatrices {
+            gate_up: c.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
+            down: c.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
+        });
+        eg.push(ExpertMatrices {
+            gate_up: g.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
+            down: g.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
+        });
+    }
+    (ec, eg)
+}
+
+/// Root mean square, in f64.
+fn rms(values: impl Iterator<Item = f32>) -> f64 {
+    let (sum, k) = values.fold((0f64, 0usize), |(s, k), x| (s + (x as f64).powi(2), k + 1));
+    (sum / k.max(1) as f64).sqrt()
+}
+
 /// Quantized experts (the hybrid expert cache keeps its resident copies in their block
 /// format): the GPU must not read them as dense rows. Decode (one row), a small batch (the
 /// grouped matvec), and a prefill batch whose experts take more than 8 rows each (the grouped
 /// GEMMs: at Flash-Next's shape 24 experts are two chunks of the dequantization scratch).
 #[test]
 fn quantized_routed_experts_match_cpu() {
-    use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
+    use capy_engine::backend::cpu::experts::RowFormat;
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(11);
@@ -468,21 +506,7 @@ fn quantized_routed_experts_match_cpu() {
             RowFormat::parse(gate_fmt).unwrap(),
             RowFormat::parse(down_fmt).unwrap(),
         );
-        let mut ec = Vec::new();
-        let mut eg = Vec::new();
-        for e in 0..count as u64 {
-            let gu = random_blocks(fg, 2 * inter * hidden / fg.block_len(), 100 + e);
-            let down = random_blocks(fd, hidden * inter / fd.block_len(), 200 + e);
-            let (mg, md) = (0.01, 0.02);
-            ec.push(ExpertMatrices {
-                gate_up: c.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
-                down: c.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
-            });
-            eg.push(ExpertMatrices {
-                gate_up: g.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
-                down: g.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
-            });
-        }
+        let (ec, eg) = quant_experts_pair(&g, (fg, fd), count, hidden, inter, 100);
         for n in [1usize, 5, 96] {
             let logits = r.vec(n * count, 2.0);
             let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), 4, true);
@@ -501,7 +525,7 @@ fn quantized_routed_experts_match_cpu() {
 /// relative to the output's size (a misplaced row or expert is off by ~100%).
 #[test]
 fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
-    use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
+    use capy_engine::backend::cpu::experts::RowFormat;
     let fast = match CudaBackend::with_exact_math(0, None, false) {
         Ok(b) => b,
         Err(e) => return println!("skipping: no usable CUDA device: {e:#}"),
@@ -514,20 +538,7 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
             RowFormat::parse(gate_fmt).unwrap(),
             RowFormat::parse(down_fmt).unwrap(),
         );
-        let (mut ec, mut eg) = (Vec::new(), Vec::new());
-        for e in 0..count as u64 {
-            let gu = random_blocks(fg, 2 * inter * hidden / fg.block_len(), 300 + e);
-            let down = random_blocks(fd, hidden * inter / fd.block_len(), 400 + e);
-            let (mg, md) = (0.01, 0.02);
-            ec.push(ExpertMatrices {
-                gate_up: c.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
-                down: c.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
-            });
-            eg.push(ExpertMatrices {
-                gate_up: fast.quant_matrix(fg, 2 * inter, hidden, &gu, mg).unwrap(),
-                down: fast.quant_matrix(fd, hidden, inter, &down, md).unwrap(),
-            });
-        }
+        let (ec, eg) = quant_experts_pair(&fast, (fg, fd), count, hidden, inter, 300);
         let logits = r.vec(n * count, 2.0);
         let routing: MoeRouting = c.moe_route(&c.from_host(n, count, &logits), 4, true);
         let x = r.vec(n * hidden, 1.0);
@@ -535,12 +546,8 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
         let want = c
             .moe_experts(&c.from_host(n, hidden, &x), &routing, &ec)
             .data;
-        let rms = |v: &mut dyn Iterator<Item = f32>| {
-            let (s, k) = v.fold((0f64, 0usize), |(s, k), x| (s + (x as f64).powi(2), k + 1));
-            (s / k.max(1) as f64).sqrt()
-        };
-        let scale = rms(&mut want.iter().copied());
-        let err = rms(&mut got.iter().zip(&want).map(|(g, w)| g - w));
+        let scale = rms(want.iter().copied());
+        let err = rms(got.iter().zip(&want).map(|(g, w)| g - w));
         let worst = got
             .iter()
             .zip(&want)
@@ -613,12 +620,8 @@ fn qsa_prefill_on_the_fast_path_stays_near_exact() {
     let want = c
         .qsa_attention(&h[0], &h[1], &h[2], &h[3], &h[4], past, a, s)
         .data;
-    let rms = |v: &mut dyn Iterator<Item = f32>| {
-        let (sum, k) = v.fold((0f64, 0usize), |(s, k), x| (s + (x as f64).powi(2), k + 1));
-        (sum / k.max(1) as f64).sqrt()
-    };
-    let scale = rms(&mut want.iter().copied());
-    let err = rms(&mut got.iter().zip(&want).map(|(g, w)| g - w));
+    let scale = rms(want.iter().copied());
+    let err = rms(got.iter().zip(&want).map(|(g, w)| g - w));
     println!("fast qsa_attention {total} tokens, {n} queries: rms {scale:.3e}, rms |Δ| {err:.3e}");
     assert!(scale > 0.0 && got.iter().all(|v| v.is_finite()));
     assert!(

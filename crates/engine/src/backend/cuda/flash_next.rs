@@ -853,29 +853,34 @@ impl CudaBackend {
                         .collect(),
                 }
             };
+            // One problem an expert: m × (its rows) × k, its B rows packed from `b` on (the
+            // chunk's order), its C at `c_at(first slot, first row in the chunk)`.
+            let problems =
+                |a: &[u64], (m, k): (usize, usize), b: u64, c_at: &dyn Fn(usize, usize) -> u64| {
+                    let mut local = 0usize;
+                    part.iter()
+                        .zip(a)
+                        .map(|(&(_, off, cnt), &a)| {
+                            let p = GroupedProblem {
+                                m,
+                                n: cnt,
+                                k,
+                                a,
+                                b: b + (local * k * esize) as u64,
+                                c: c_at(off, local),
+                            };
+                            local += cnt;
+                            p
+                        })
+                        .collect::<Vec<_>>()
+                };
             // gate‖up: [2·inter, hidden] per expert times its rows → gu [slots, 2·inter] (f32).
             let gu = self.alloc(slots * 2 * inter * 4, "grouped expert gate/up");
-            let a = weight_ptrs(false);
-            let mut local = 0usize;
-            let problems: Vec<GroupedProblem> = part
-                .iter()
-                .zip(&a)
-                .map(|(&(_, _, cnt), &a)| {
-                    let p = GroupedProblem {
-                        m: 2 * inter,
-                        n: cnt,
-                        k: hidden,
-                        a,
-                        b: xs.ptr + (local * hidden * esize) as u64,
-                        c: gu.ptr + (local * 2 * inter * 4) as u64,
-                    };
-                    local += cnt;
-                    p
-                })
-                .collect();
+            let gu_at = |_: usize, local: usize| gu.ptr + (local * 2 * inter * 4) as u64;
+            let p = problems(&weight_ptrs(false), (2 * inter, hidden), xs.ptr, &gu_at);
             self.gemm_grouped(
                 (true, false),
-                &problems,
+                &p,
                 (dtype, hidden),
                 (dtype, hidden),
                 2 * inter,
@@ -895,27 +900,11 @@ impl CudaBackend {
                     gu.ptr, act.ptr, slots as u64, inter as i32);
             }
             // down: [hidden, inter] per expert → ys at the expert's own slots.
-            let a = weight_ptrs(true);
-            let mut local = 0usize;
-            let problems: Vec<GroupedProblem> = part
-                .iter()
-                .zip(&a)
-                .map(|(&(_, off, cnt), &a)| {
-                    let p = GroupedProblem {
-                        m: hidden,
-                        n: cnt,
-                        k: inter,
-                        a,
-                        b: act.ptr + (local * inter * esize) as u64,
-                        c: ys + (off * hidden * 4) as u64,
-                    };
-                    local += cnt;
-                    p
-                })
-                .collect();
+            let ys_at = |off: usize, _: usize| ys + (off * hidden * 4) as u64;
+            let p = problems(&weight_ptrs(true), (hidden, inter), act.ptr, &ys_at);
             self.gemm_grouped(
                 (true, false),
-                &problems,
+                &p,
                 (dtype, inter),
                 (dtype, inter),
                 hidden,
