@@ -99,6 +99,82 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
     rms_norm_group(x, y, w, nullptr, out, group, eps, one_plus, xq, xs);
 }
 
+// One row too wide for one SM's loads (a decode step's 5120-value residual rows): x += y (when
+// y is set), out = rms_norm(x), split over gridDim.x blocks of NORM_SPLIT_VALS values a thread.
+// A single block took ~7 µs a row under ncu, most of it waiting on its own ~60 KB of loads;
+// ten blocks each load a tenth. The blocks meet once, to add their partial sums of squares:
+// each stores its partial, fences, and counts itself in `barrier[0]`; thread 0 of every block
+// spins until all have arrived, then every block adds the partials in the same order (so
+// every block divides by the same bits). The last block to leave zeroes both counters for
+// the next call: that call's blocks start only after this grid has completed.
+//
+// Safe because all gridDim.x blocks are resident at once: the host launches at most 64 small
+// blocks, and with programmatic dependent launch the next kernel's blocks are admitted only
+// after every block of this grid has started. `partials` holds gridDim.x floats, `barrier`
+// two zeroed u32s (backend/cuda `NormBarrier`). xq/xs as in rms_norm_group (one row).
+#define NORM_SPLIT_VALS 4
+__device__ __forceinline__ unsigned load_volatile_u32(const unsigned* p) { return *(const volatile unsigned*)p; }
+__device__ __forceinline__ float load_volatile_f32(const float* p) { return *(const volatile float*)p; }
+
+extern "C" __global__ void add_rms_norm_split(float* __restrict__ x, const float* __restrict__ y,
+                                              const float* __restrict__ w, float* __restrict__ out, int group,
+                                              float eps, int one_plus, unsigned char* __restrict__ xq,
+                                              float* __restrict__ xs, float* partials, unsigned* barrier) {
+    KERNEL_START();
+    extern __shared__ float norm_split_scratch[];
+    const int stride = blockDim.x;
+    const int first = blockIdx.x * stride * NORM_SPLIT_VALS;
+    float v[NORM_SPLIT_VALS], a[NORM_SPLIT_VALS], scale[NORM_SPLIT_VALS];
+#pragma unroll
+    for (int k = 0; k < NORM_SPLIT_VALS; k++) {
+        const int i = first + threadIdx.x + k * stride;
+        const bool in = i < group;
+        v[k] = in ? x[i] : 0.0f;
+        a[k] = in && y ? y[i] : 0.0f;
+        scale[k] = in ? (one_plus ? 1.0f + w[i] : w[i]) : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_SPLIT_VALS; k++) {
+        const int i = first + threadIdx.x + k * stride;
+        if (y) {
+            v[k] += a[k];
+            if (i < group) x[i] = v[k];
+        }
+        ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, norm_split_scratch);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = ss;
+        __threadfence();
+        atomicAdd(&barrier[0], 1u);
+        while (load_volatile_u32(&barrier[0]) < gridDim.x) __nanosleep(32);
+        __threadfence();
+        if (atomicAdd(&barrier[1], 1u) == gridDim.x - 1) {
+            barrier[0] = 0;
+            barrier[1] = 0;
+        }
+    }
+    __syncthreads();
+    float p = 0.0f;
+    for (int b = threadIdx.x & 31; b < (int)gridDim.x; b += 32) p += load_volatile_f32(&partials[b]);
+    const float total = warp_sum(p);
+    const float inv = 1.0f / sqrtf(total / (float)group + eps);
+    const int warp_first = first + (threadIdx.x & ~31);
+#pragma unroll
+    for (int k = 0; k < NORM_SPLIT_VALS; k++) {
+        const int i = first + threadIdx.x + k * stride;
+        const float o = v[k] * inv * scale[k];
+        if (i < group) out[i] = o;
+        // A warp's 32 values are all in the row or all past it (group and the block's span
+        // are multiples of 32).
+        if (xq) {
+            const float amax = warp_max(fabsf(o));
+            if (warp_first + k * stride < group) store_q8r(o, amax, (u32)((warp_first + k * stride) >> 5), (u32)group, xq, xs);
+        }
+    }
+}
+
 // The hyper-connection norms: RMSNorm over groups of `group` values, each value then scaled by
 // its column's `scale` (the (1 + w) row of `span` values, span a multiple of group, spanning
 // all streams): group g takes scale[(g·group) mod span + i]. One launch where rms_norm with a

@@ -10,7 +10,7 @@
 //! except under `CI=true`, where the compiler is installed and a skip would hide a failure.
 #![cfg(feature = "cuda")]
 
-use capy_engine::backend::cuda::{norm_threads, ChunkedDeltaRulePlan};
+use capy_engine::backend::cuda::{norm_split_plan, norm_threads, ChunkedDeltaRulePlan};
 use capy_engine::backend::DeltaRuleShape;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -120,6 +120,12 @@ fn delta_rule_driver() -> Option<&'static Path> {
 fn norm_driver() -> Option<&'static Path> {
     static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
     EXE.get_or_init(|| build("norm", &["kernels/norm.cu", "kernels/hyper.cu"]))
+        .as_deref()
+}
+
+fn norm_split_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("norm_split", &["kernels/norm.cu"]))
         .as_deref()
 }
 
@@ -279,6 +285,27 @@ fn the_fused_wide_norm_equals_norm_then_scale_bit_for_bit() {
             &format!("the emulated wide norm ({rows} rows, {streams} streams of {group})"),
         );
     }
+}
+
+#[test]
+fn the_split_norm_meets_at_its_barrier_and_equals_the_one_block_norm() {
+    // The 27B's 5120-value residual rows (10 blocks), Flash-Next's 2560 (5), and a row whose
+    // last block is partly empty (1056 = 2 full warps past 1024); with and without the add.
+    let Some(exe) = norm_split_driver() else {
+        return;
+    };
+    for (group, add) in [(5120, 1), (2560, 1), (1056, 1), (5120, 0)] {
+        let (blocks, threads) = norm_split_plan(group).expect("a wide row splits");
+        assert!(blocks > 1, "{group} values gave one block");
+        run_driver(
+            exe,
+            &[group, threads, add, 7],
+            5,
+            &format!("the emulated split norm ({group} values over {blocks} blocks, add {add})"),
+        );
+    }
+    assert_eq!(norm_split_plan(1024), None, "a 1024-value row loads in one round on one SM");
+    assert_eq!(norm_split_plan(5000), None, "not whole int8 groups");
 }
 
 #[test]

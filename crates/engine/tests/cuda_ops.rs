@@ -292,6 +292,39 @@ fn norms_match_cpu() {
     }
 }
 
+/// One wide decode row normed over several blocks that meet at a barrier in device memory
+/// (`add_rms_norm_split`) against the one-block kernel, call after call through the same
+/// barrier: the residual bit for bit, the normed row within the other summation order.
+#[test]
+fn split_norm_matches_the_one_block_norm_call_after_call() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng(41);
+    for group in [5120, 2560, 1056] {
+        let w = r.vec(group, 0.5);
+        let wg = g.vector(&w).unwrap();
+        for call in 0..40 {
+            let (x, y) = (r.vec(group, 3.0), r.vec(group, 3.0));
+            let yg = g.from_host(1, group, &y);
+            let run = |split: bool| {
+                g.set_norm_split(split);
+                let mut xg = g.from_host(1, group, &x);
+                let out = if call % 4 == 3 {
+                    g.rms_norm(&xg, &wg, 1e-6, NormScale::OnePlus, group)
+                } else {
+                    g.add_rms_norm(&mut xg, &yg, &wg, 1e-6, NormScale::OnePlus, group)
+                };
+                (g.to_host(&xg), g.to_host(&out))
+            };
+            let (x_split, out_split) = run(true);
+            let (x_one, out_one) = run(false);
+            let what = format!("{group} values, call {call}");
+            assert_eq!(x_split, x_one, "residual of the split norm, {what}");
+            assert_close_tol(&out_split, &out_one, 1e-6, 1e-6, &format!("split norm, {what}"));
+        }
+    }
+    g.set_norm_split(true);
+}
+
 #[test]
 fn embedding_and_rope_match_cpu() {
     let Some(g) = gpu() else { return };

@@ -1,6 +1,7 @@
 // A CPU emulator for the CUDA kernels in kernels/*.cu, for tests on machines without a GPU.
 //
-// Each block runs alone, one OS thread per CUDA thread: `__syncthreads()` is a barrier of the
+// Each block runs alone (or, with `launch_concurrent`, every block at once, for kernels whose
+// blocks wait on each other), one OS thread per CUDA thread: `__syncthreads()` is a barrier of the
 // block's threads, and the warp shuffles exchange through a per-warp buffer between two
 // barriers of the warp's 32 threads. `__shared__` arrays become function statics (one block
 // at a time, so one copy is right) and the dynamic shared memory is a heap buffer of exactly
@@ -25,6 +26,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 
 namespace emu {
 
@@ -42,7 +44,8 @@ inline Dim3 block_dim, grid_dim;
 inline thread_local std::barrier<>* block_barrier = nullptr;
 inline thread_local Warp* warp = nullptr;
 inline thread_local unsigned lane = 0;
-inline unsigned char* dynamic_smem_base = nullptr;
+// Per thread, as concurrent blocks each have their own.
+inline thread_local unsigned char* dynamic_smem_base = nullptr;
 
 template <typename T>
 T* dynamic_smem() {
@@ -82,42 +85,80 @@ inline unsigned ballot(int pred) {
     return r;
 }
 
-// Runs `kernel` over `grid` blocks of `block` threads (a multiple of 32) with `smem` bytes of
-// dynamic shared memory, blocks in order x, y, z.
-template <typename Kernel>
-void launch(Dim3 grid, Dim3 block, size_t smem, Kernel kernel) {
+// One block's state: its shared memory (garbage, as on the GPU: a kernel that reads shared
+// memory before writing it gets NaNs, not zeros), barrier and warps.
+struct Block {
+    std::unique_ptr<unsigned char[]> shared;
+    size_t smem;
+    std::barrier<> bar;
+    std::unique_ptr<Warp[]> warps;
+    Block(size_t smem, unsigned threads)
+        : shared(new unsigned char[smem == 0 ? 1 : smem]), smem(smem), bar(threads), warps(new Warp[threads / 32]) {
+        std::memset(shared.get(), 0xff, smem);
+    }
+};
+
+inline unsigned checked_threads(Dim3 block) {
     const unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads % 32 != 0 || threads > 1024) {
         std::fprintf(stderr, "emu: block of %u threads (want a multiple of 32, at most 1024)\n", threads);
         std::abort();
     }
+    return threads;
+}
+
+// Starts block (bx, by, bz)'s threads into `pool`.
+template <typename Kernel>
+void spawn_block(std::vector<std::thread>& pool, Block& b, Dim3 block, Dim3 idx, Kernel& kernel) {
+    const unsigned threads = block.x * block.y * block.z;
+    for (unsigned t = 0; t < threads; t++) {
+        pool.emplace_back([&b, &kernel, block, idx, t] {
+            thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            block_idx = idx;
+            block_barrier = &b.bar;
+            warp = &b.warps[t / 32];
+            lane = t % 32;
+            dynamic_smem_base = b.smem == 0 ? nullptr : b.shared.get();
+            kernel();
+        });
+    }
+}
+
+// Runs `kernel` over `grid` blocks of `block` threads (a multiple of 32) with `smem` bytes of
+// dynamic shared memory, blocks in order x, y, z.
+template <typename Kernel>
+void launch(Dim3 grid, Dim3 block, size_t smem, Kernel kernel) {
+    const unsigned threads = checked_threads(block);
     grid_dim = grid;
     block_dim = block;
     for (unsigned bz = 0; bz < grid.z; bz++)
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
-                std::unique_ptr<unsigned char[]> shared(new unsigned char[smem == 0 ? 1 : smem]);
-                // Garbage, as on the GPU: a kernel that reads shared memory before writing it
-                // gets NaNs, not zeros.
-                std::memset(shared.get(), 0xff, smem);
-                dynamic_smem_base = smem == 0 ? nullptr : shared.get();
-                std::barrier<> bar(threads);
-                std::unique_ptr<Warp[]> warps(new Warp[threads / 32]);
+                Block b(smem, threads);
                 std::vector<std::thread> pool;
                 pool.reserve(threads);
-                for (unsigned t = 0; t < threads; t++) {
-                    pool.emplace_back([&, t] {
-                        thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        block_idx = {bx, by, bz};
-                        block_barrier = &bar;
-                        warp = &warps[t / 32];
-                        lane = t % 32;
-                        kernel();
-                    });
-                }
+                spawn_block(pool, b, block, {bx, by, bz}, kernel);
                 for (auto& th : pool) th.join();
             }
-    dynamic_smem_base = nullptr;
+}
+
+// As `launch`, with every block running at once: for kernels whose blocks wait for each
+// other (as the GPU's resident blocks may). Static `__shared__` arrays would be shared by all
+// blocks here, so such kernels keep their shared memory dynamic.
+template <typename Kernel>
+void launch_concurrent(Dim3 grid, Dim3 block, size_t smem, Kernel kernel) {
+    const unsigned threads = checked_threads(block);
+    grid_dim = grid;
+    block_dim = block;
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    std::vector<std::unique_ptr<Block>> state;
+    std::vector<std::thread> pool;
+    pool.reserve((size_t)blocks * threads);
+    for (unsigned b = 0; b < blocks; b++) {
+        state.emplace_back(new Block(smem, threads));
+        spawn_block(pool, *state.back(), block, {b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y)}, kernel);
+    }
+    for (auto& th : pool) th.join();
 }
 
 }  // namespace emu
@@ -174,6 +215,9 @@ template <typename T>
 inline T atomicOr(T* p, T v) {
     return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
 }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// A spinning thread gives its core to the others (the emulator runs more threads than cores).
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned __ballot_sync(unsigned, int pred) { return emu::ballot(pred); }
 // Every lane of the warp must reach it (the emulator has no partial masks).

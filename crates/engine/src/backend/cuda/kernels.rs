@@ -141,9 +141,15 @@ pub fn sources() -> Vec<KernelSource> {
         (
             "norm",
             include_str!("../../../../../kernels/norm.cu"),
-            ["rms_norm", "add_rms_norm", "rms_norm_rope", "rms_norm_wide"]
-                .map(String::from)
-                .to_vec(),
+            [
+                "rms_norm",
+                "add_rms_norm",
+                "add_rms_norm_split",
+                "rms_norm_rope",
+                "rms_norm_wide",
+            ]
+            .map(String::from)
+            .to_vec(),
         ),
         (
             "matvec",

@@ -238,6 +238,12 @@ fn records_kernel_of(code: u64) -> RecordsKernel {
 }
 
 /// `CAPY_PDL=0` launches every kernel after its predecessor has finished (for comparisons).
+/// `CAPY_NORM_SPLIT=0` norms every decode row with one block (`add_rms_norm`) instead of
+/// `add_rms_norm_split` (for same-run comparisons).
+fn norm_split_enabled_by_env() -> bool {
+    std::env::var("CAPY_NORM_SPLIT").map_or(true, |v| v != "0")
+}
+
 fn pdl_enabled() -> bool {
     std::env::var("CAPY_PDL").map_or(true, |v| v != "0")
 }
@@ -452,6 +458,11 @@ struct Inner {
     /// Kernels are launched with programmatic dependent launch (kernels/common.cuh): sm_90 and
     /// later, unless `CAPY_PDL=0`.
     pdl: bool,
+    /// One-row norms of wide rows run as `add_rms_norm_split` (unless `CAPY_NORM_SPLIT=0`).
+    norm_split: std::sync::atomic::AtomicBool,
+    /// `add_rms_norm_split`'s meeting point, allocated with the backend and zeroed: its
+    /// partial sums, then its two counters, which every call leaves at zero.
+    norm_barrier: NormBarrier,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
     graphs: graph::GraphRecorder,
     /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
@@ -517,6 +528,37 @@ impl Inner {
     }
 }
 
+/// `add_rms_norm_split`'s partial sums (`NORM_SPLIT_MAX_BLOCKS` floats) then its two u32
+/// counters, in one small allocation outside the buffer pool (it lives as long as the backend).
+struct NormBarrier(drv_sys::CUdeviceptr);
+
+impl NormBarrier {
+    const BYTES: usize = NORM_SPLIT_MAX_BLOCKS * 4 + 8;
+
+    /// Allocates and zeroes it (the context is current).
+    fn new() -> Result<NormBarrier> {
+        let mut ptr = 0;
+        // SAFETY: plain synchronous allocation and memset of our own buffer.
+        unsafe {
+            drv_sys::cuMemAlloc_v2(&mut ptr, Self::BYTES)
+                .result()
+                .map_err(|e| anyhow::anyhow!("cuMemAlloc of the norm barrier: {e}"))?;
+            drv_sys::cuMemsetD8_v2(ptr, 0, Self::BYTES)
+                .result()
+                .map_err(|e| anyhow::anyhow!("cuMemset of the norm barrier: {e}"))?;
+        }
+        Ok(NormBarrier(ptr))
+    }
+
+    fn partials(&self) -> u64 {
+        self.0
+    }
+
+    fn counters(&self) -> u64 {
+        self.0 + (NORM_SPLIT_MAX_BLOCKS * 4) as u64
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
@@ -531,6 +573,8 @@ impl Drop for Inner {
             // SAFETY: the handle was created by us and is destroyed once.
             let _ = unsafe { blas::destroy_handle(h.0) };
         }
+        // SAFETY: allocated by NormBarrier::new; the stream is idle.
+        let _ = unsafe { drv_sys::cuMemFree_v2(self.norm_barrier.0) };
     }
 }
 
@@ -745,6 +789,24 @@ pub fn norm_threads(group: usize) -> usize {
     ceil_div(ceil_div(group, NORM_VALS), 32).clamp(1, 32) * 32
 }
 
+/// Threads of an `add_rms_norm_split` block and the values each holds (kernels/norm.cu
+/// `NORM_SPLIT_VALS`): 512 values a block, ten blocks for a 5120-value row.
+const NORM_SPLIT_THREADS: usize = 128;
+const NORM_SPLIT_VALS: usize = 4;
+/// At most this many blocks meet at the split norm's barrier (and `NormBarrier` holds as many
+/// partial sums): few enough to be resident at once on any GPU.
+const NORM_SPLIT_MAX_BLOCKS: usize = 64;
+
+/// How `add_rms_norm_split` cuts one row of `group` values: (blocks, threads a block), or None
+/// where one block is the better launch (a row of at most 1024 values loads in one round on
+/// one SM) or the row does not split into whole int8 groups.
+pub fn norm_split_plan(group: usize) -> Option<(usize, usize)> {
+    let per_block = NORM_SPLIT_THREADS * NORM_SPLIT_VALS;
+    let blocks = ceil_div(group, per_block);
+    (group > 1024 && group.is_multiple_of(32) && blocks <= NORM_SPLIT_MAX_BLOCKS)
+        .then_some((blocks, NORM_SPLIT_THREADS))
+}
+
 /// Keys per split of the decode attention: enough splits to fill every block slot of the GPU
 /// once (`resident_blocks`: the SMs times the blocks of `attn_split` an SM holds, which its
 /// registers decide: 3 of 168-register blocks on sm_90) — a decode step has only KV heads ×
@@ -955,6 +1017,9 @@ impl CudaBackend {
             driver_version,
             nvrtc_version,
         };
+        ctx.bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("binding the CUDA context: {e}"))?;
+        let norm_barrier = NormBarrier::new()?;
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 staging: Mutex::new(staging::TransferStaging::new(ctx.clone())),
@@ -981,6 +1046,8 @@ impl CudaBackend {
                 records_loaded: std::sync::atomic::AtomicBool::new(false),
                 grouped_gemm_warned: std::sync::atomic::AtomicBool::new(false),
                 pdl: cc.0 >= 9 && pdl_enabled(),
+                norm_split: std::sync::atomic::AtomicBool::new(norm_split_enabled_by_env()),
+                norm_barrier,
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -1086,6 +1153,12 @@ impl CudaBackend {
 
     pub fn cuda_graphs(&self) -> bool {
         self.inner.graphs.enabled()
+    }
+
+    /// Norms one wide decode row over several blocks (`add_rms_norm_split`, the default) or
+    /// with one (`CAPY_NORM_SPLIT=0`); for tests and same-run comparisons.
+    pub fn set_norm_split(&self, on: bool) {
+        self.inner.norm_split.store(on, Ordering::Relaxed);
     }
 
     pub fn graph_stats(&self) -> graph::GraphStats {
@@ -1355,6 +1428,31 @@ impl CudaBackend {
         let buf = self.alloc(std::mem::size_of_val(data), what);
         self.htod(buf.ptr, data);
         buf
+    }
+
+    fn norm_split(&self) -> bool {
+        self.inner.norm_split.load(Ordering::Relaxed)
+    }
+
+    /// One row normed by `add_rms_norm_split` (x += y first where `y` is not null), with the
+    /// int8 copy where `out` has room for one.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_norm_split(
+        &self,
+        x: u64,
+        y: u64,
+        w: &CudaVector,
+        out: &CudaTensor,
+        group: usize,
+        eps: f32,
+        one_plus: i32,
+        (blocks, threads): (usize, usize),
+    ) {
+        let (xq, xs) = out.q8_args();
+        let barrier = &self.inner.norm_barrier;
+        launch!(self, "add_rms_norm_split", (blocks as u32, 1, 1), (threads as u32, 1, 1), 32 * 4;
+            x, y, w.buf.ptr, out.ptr(), group as i32, eps, one_plus, xq, xs,
+            barrier.partials(), barrier.counters());
     }
 
     /// How many blocks of `threads` threads (and `smem` bytes of dynamic shared memory) of
@@ -2590,11 +2688,18 @@ impl Backend for CudaBackend {
         );
         let out = self.norm_out(x, group);
         let groups = x.len() / group;
-        if groups > 0 {
-            let threads = norm_threads(group);
-            let (xq, xs) = out.q8_args();
-            launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32, xq, xs);
+        let (xq, xs) = out.q8_args();
+        let one_plus = (scale == NormScale::OnePlus) as i32;
+        match norm_split_plan(group) {
+            Some((blocks, threads)) if groups == 1 && self.norm_split() => {
+                self.launch_norm_split(x.ptr(), 0, w, &out, group, eps, one_plus, (blocks, threads))
+            }
+            _ if groups > 0 => {
+                let threads = norm_threads(group);
+                launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                    x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, one_plus, xq, xs);
+            }
+            _ => {}
         }
         out
     }
@@ -2692,11 +2797,18 @@ impl Backend for CudaBackend {
         );
         let out = self.norm_out(x, group);
         let groups = x.len() / group;
-        if groups > 0 {
-            let threads = norm_threads(group);
-            let (xq, xs) = out.q8_args();
-            launch!(self, "add_rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), group as i32, eps, (scale == NormScale::OnePlus) as i32, xq, xs);
+        let (xq, xs) = out.q8_args();
+        let one_plus = (scale == NormScale::OnePlus) as i32;
+        match norm_split_plan(group) {
+            Some((blocks, threads)) if groups == 1 && self.norm_split() => {
+                self.launch_norm_split(x.ptr(), y.ptr(), w, &out, group, eps, one_plus, (blocks, threads))
+            }
+            _ if groups > 0 => {
+                let threads = norm_threads(group);
+                launch!(self, "add_rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                    x.ptr(), y.ptr(), w.buf.ptr, out.ptr(), group as i32, eps, one_plus, xq, xs);
+            }
+            _ => {}
         }
         out
     }
