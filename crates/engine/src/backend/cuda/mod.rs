@@ -463,6 +463,8 @@ struct Inner {
     /// `add_rms_norm_split`'s meeting point, allocated with the backend and zeroed: its
     /// partial sums, then its two counters, which every call leaves at zero.
     norm_barrier: NormBarrier,
+    /// `CudaBackend::attention_slots`, computed at the first decode attention.
+    attention_slots: std::sync::OnceLock<usize>,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
     graphs: graph::GraphRecorder,
     /// Buffers allocated while recording a graph (the synchronous allocator: a stream-ordered
@@ -1048,6 +1050,7 @@ impl CudaBackend {
                 pdl: cc.0 >= 9 && pdl_enabled(),
                 norm_split: std::sync::atomic::AtomicBool::new(norm_split_enabled_by_env()),
                 norm_barrier,
+                attention_slots: std::sync::OnceLock::new(),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -1430,6 +1433,19 @@ impl CudaBackend {
         buf
     }
 
+    /// `elems` f32 values at `src` rounded into a new buffer of 16-bit `dtype` (BF16, or F16
+    /// for F16 weights).
+    fn to_16bit(&self, src: u64, elems: usize, dtype: WeightType, what: &str) -> DevBuf {
+        let out = self.alloc(elems * 2, what);
+        if dtype == WeightType::BF16 {
+            // Four values a thread (kernels/elementwise.cu).
+            launch!(self, "f32_to_bf16_kernel", grid_1d(elems.div_ceil(4)), (256, 1, 1), 0; src, out.ptr, elems as u64);
+        } else {
+            launch!(self, "f32_to_f16_kernel", grid_1d(elems), (256, 1, 1), 0; src, out.ptr, elems as u64);
+        }
+        out
+    }
+
     fn norm_split(&self) -> bool {
         self.inner.norm_split.load(Ordering::Relaxed)
     }
@@ -1789,9 +1805,7 @@ impl CudaBackend {
         let xh = if exact {
             None
         } else {
-            let xh = self.alloc(x.len() * 2, "16-bit activations");
-            launch!(self, "f32_to_bf16_kernel", grid_1d(x.len().div_ceil(4)), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
-            Some(xh)
+            Some(self.to_16bit(x.ptr(), x.len(), WeightType::BF16, "16-bit activations"))
         };
         for r0 in (0..m).step_by(block_rows) {
             let rows = block_rows.min(m - r0);
@@ -1849,15 +1863,7 @@ impl CudaBackend {
             );
         } else if !self.inner.exact {
             // Activations rounded to the weights' 16-bit type; f32 accumulation and output.
-            let xh = self.alloc(x.len() * 2, "16-bit activations");
-            let conv = if w.dtype == WeightType::BF16 {
-                "f32_to_bf16_kernel"
-            } else {
-                "f32_to_f16_kernel"
-            };
-            // The BF16 kernel converts four values a thread.
-            let per_thread = if w.dtype == WeightType::BF16 { 4 } else { 1 };
-            launch!(self, conv, grid_1d(x.len().div_ceil(per_thread)), (256, 1, 1), 0; x.ptr(), xh.ptr, x.len() as u64);
+            let xh = self.to_16bit(x.ptr(), x.len(), w.dtype, "16-bit activations");
             self.gemm(
                 true,
                 false,
@@ -1929,6 +1935,17 @@ impl CudaBackend {
         }
     }
 
+    /// Blocks of `attn_split` the whole GPU holds at once (the SMs times the driver's
+    /// occupancy, or `CAPY_ATTN_SLOTS_PER_SM`), asked of the driver once per backend.
+    fn attention_slots(&self) -> usize {
+        *self.inner.attention_slots.get_or_init(|| {
+            let sms = self.inner.info.multiprocessors.max(1) as usize;
+            sms * attention_slots_override()
+                .or_else(|| self.resident_blocks_per_sm("attn_split", 128, 0))
+                .unwrap_or(4)
+        })
+    }
+
     fn attention_split_kv(
         &self,
         q: &CudaTensor,
@@ -1943,14 +1960,7 @@ impl CudaBackend {
         // Up to 6 query heads of one KV head a block (kernels/attention.cu, ATTN_GQA_MAX).
         let group = s.num_heads / s.num_kv_heads;
         let blocks = s.num_kv_heads * ceil_div(group, 6);
-        let sms = self.inner.info.multiprocessors.max(1) as usize;
-        let split_len = attention_split_len(
-            total,
-            blocks * n,
-            sms * attention_slots_override()
-                .or_else(|| self.resident_blocks_per_sm("attn_split", 128, 0))
-                .unwrap_or(4),
-        );
+        let split_len = attention_split_len(total, blocks * n, self.attention_slots());
         let splits = ceil_div(total, split_len).max(1);
         let part_o = self.alloc(
             n * s.num_heads * splits * s.head_dim * 4,
@@ -2034,9 +2044,7 @@ impl CudaBackend {
         // both products run on BF16 tensor cores and P is half the bytes; exact: all f32.
         let exact = self.inner.exact;
         let to_bf16 = |x: &CudaTensor, elems: usize, what: &str| {
-            let h = self.alloc(elems * 2, what);
-            launch!(self, "f32_to_bf16_kernel", grid_1d(elems.div_ceil(4)), (256, 1, 1), 0; x.ptr(), h.ptr, elems as u64);
-            h
+            self.to_16bit(x.ptr(), elems, WeightType::BF16, what)
         };
         let half = (!exact).then(|| {
             (
