@@ -441,6 +441,11 @@ pub(crate) fn timed_prefill(
 
 /// Times `steps` greedy single-token decode steps of `seq`, fed from `next` (left at the
 /// token to feed after them): seconds per step and seconds in all.
+/// Each step's time in ms, to a µs (the spread the median hides).
+pub(crate) fn step_ms(step_s: &[f64]) -> Vec<f64> {
+    step_s.iter().map(|s| (s * 1e6).round() / 1e3).collect()
+}
+
 pub(crate) fn greedy_steps(
     model: &mut dyn CausalLm,
     seq: crate::model::SeqId,
@@ -655,7 +660,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
     let graphs_default = backend.cuda_graphs();
     backend.set_cuda_graphs(false)?;
     decode(2)?;
-    let (mut eager_steps, eager_total_s, _) = decode(opts.decode_steps)?;
+    let (eager_steps, eager_total_s, _) = decode(opts.decode_steps)?;
     backend.set_cuda_graphs(true)?;
     decode(2)?;
     let graphs_before = backend.graph_stats();
@@ -668,7 +673,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
         let (s, t, l) = decode(opts.decode_steps)?;
         (s, t, l)
     };
-    let eager_median_step = median(&mut eager_steps);
+    let eager_median_step = median(&mut eager_steps.clone());
     let launches_per_token = launches as f64 / opts.decode_steps.max(1) as f64;
     let ledger_peak = backend.ledger().peak;
     let decode_tok_s = opts.decode_steps as f64 / decode_total_s;
@@ -760,6 +765,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "steps": opts.decode_steps,
             "tokens_per_s": decode_tok_s,
             "median_step_ms": median_step * 1e3,
+            "step_ms": step_ms(&step_s),
             "launches_per_token": launches_per_token,
             "overhead_per_launch_us": overhead_per_launch_us,
             "weight_bytes_per_token": weight_bytes_per_token,
@@ -770,6 +776,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "cuda_graphs": graphs_default,
             "eager_tokens_per_s": opts.decode_steps as f64 / eager_total_s,
             "eager_median_step_ms": eager_median_step * 1e3,
+            "eager_step_ms": step_ms(&eager_steps),
             "graphs_tokens_per_s": opts.decode_steps as f64 / graph_total_s,
             "graphs_over_eager_speedup_ratio": eager_total_s / graph_total_s,
             "graph_launches_per_token": (graphs_after.launched - graphs_before.launched) as f64 / opts.decode_steps.max(1) as f64,
