@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Same-run A/B of settings (carry [".gpu"] after build.sh, plus ".gpu-base" for BASE_FN=1):
+# $TESTS first; then for each case of $CASES ("model:format:VAR=value …") the default bench
+# and the bench under VAR=value, as $OUT/<model>-<format>.json and <model>-<format>-<VAR>.json
+# (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
+# ($OUT/qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
+# 27B NVFP4 decode kernels into $OUT/ncu-detail.txt. Logs: $OUT/logs.tgz.
+source tools/gpu_box/common.sh
+for t in $TESTS; do
+  step "$t" 150 ".gpu/tests/$t" --test-threads=1
+done
+bench() { # out-name binary model format
+  step "$1" 150 "$2" bench --out "$OUT/$1.json" gpu --synthetic "$3" --quant "$4" --decode-tokens 16
+}
+for case in $CASES; do
+  model=${case%%:*} rest=${case#*:} format=${rest%%:*} setting=${rest#*:}
+  [ -f "$OUT/$model-$format.json" ] || bench "$model-$format" .gpu/capy-flash "$model" "$format"
+  ( export "$setting"; bench "$model-$format-${setting%%=*}" .gpu/capy-flash "$model" "$format" )
+done
+if [ -n "$BASE_FN" ]; then
+  xz -dc .gpu-base/capy-flash.xz > /tmp/capy-base && chmod +x /tmp/capy-base
+  bench qwen3.8-flash-next-iq3_s-base /tmp/capy-base qwen3.8-flash-next iq3_s
+fi
+if [ -n "$NCU_KERNELS" ]; then
+  CAPY_PROFILE_DECODE_STEPS=1 step ncu-detail 150 ncu --clock-control none --cache-control none \
+    --profile-from-start off -k "regex:$NCU_KERNELS" --launch-count "${NCU_LAUNCHES:-8}" \
+    --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats \
+    .gpu/capy-flash bench --out "$LOGS/gpu-ncu.json" gpu --synthetic qwen3.8-27b --quant nvfp4 --decode-tokens 4
+  cp "$LOGS/ncu-detail.txt" "$OUT/ncu-detail.txt"
+fi
+finish
