@@ -185,32 +185,71 @@ extern "C" __global__ void rms_norm_wide(const float* x, const float* scale, flo
 }
 
 // Per-head RMSNorm then rotate-half RoPE on the first rotary_dim dims of the head (as the
-// `rope` kernel), one block per (row, head); the partner of each rotated dim is normed again
-// from x, so no value has to wait for another thread's.
-extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* out, int head_dim, float eps,
-                                         int one_plus, const int* positions, const float* inv_freq, int heads,
-                                         int rotary_dim) { KERNEL_START();
-    __shared__ float scratch[32];
-    const u64 base = (u64)blockIdx.x * head_dim;
-    const int r = blockIdx.x / heads;
+// `rope` kernel), one head per block: x → out at `pos`. The partner of each rotated dim is
+// normed again from x, so no value has to wait for another thread's.
+__device__ __forceinline__ void norm_rope_head(const float* x, const float* w, float* out, int head_dim, float eps,
+                                               int one_plus, float pos, const float* inv_freq, int rotary_dim,
+                                               float* scratch) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        const float v = x[base + i];
+        const float v = x[i];
         ss += v * v;
     }
     ss = block_sum(ss, scratch);
     const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
     const int half = rotary_dim / 2;
-    const float pos = (float)positions[r];
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        float o = x[base + i] * inv * (one_plus ? 1.0f + w[i] : w[i]);
+        float o = x[i] * inv * (one_plus ? 1.0f + w[i] : w[i]);
         if (i < 2 * half) {
             const int j = i < half ? i + half : i - half;
-            const float partner = x[base + j] * inv * (one_plus ? 1.0f + w[j] : w[j]);
+            const float partner = x[j] * inv * (one_plus ? 1.0f + w[j] : w[j]);
             const float a = inv_freq[i < half ? i : j] * pos;
             const float c = cosf(a), s = sinf(a);
             o = i < half ? o * c - partner * s : o * c + partner * s;
         }
-        out[base + i] = o;
+        out[i] = o;
+    }
+}
+
+// One block per (row, head).
+extern "C" __global__ void rms_norm_rope(const float* x, const float* w, float* out, int head_dim, float eps,
+                                         int one_plus, const int* positions, const float* inv_freq, int heads,
+                                         int rotary_dim) { KERNEL_START();
+    __shared__ float scratch[32];
+    const u64 base = (u64)blockIdx.x * head_dim;
+    norm_rope_head(x + base, w, out + base, head_dim, eps, one_plus, (float)positions[blockIdx.x / heads], inv_freq,
+                   rotary_dim, scratch);
+}
+
+// One decode row's attention inputs from the fused projection row qkv = [q ‖ gate ‖ k ‖ v]
+// (heads·d, heads·d, kv_heads·d, kv_heads·d values): blocks 0..heads norm and rotate the q
+// heads into q_out, the next kv_heads blocks the k heads straight into the key cache's next
+// row (k_row), and the rest copy the gate into gate_out and v into the value cache's next row.
+// One launch where split_cols4, two rms_norm_rope and two cache appends (copies, which also
+// break the programmatic overlap of the kernels around them) took five; the heads are normed
+// by the same code as rms_norm_rope, so the values are the same bits.
+extern "C" __global__ void attention_inputs_row(const float* qkv, const float* qw, const float* kw, float* q_out,
+                                                float* gate_out, float* k_row, float* v_row, int heads, int kv_heads,
+                                                int head_dim, float eps, int one_plus, const int* positions,
+                                                const float* inv_freq, int rotary_dim) { KERNEL_START();
+    __shared__ float scratch[32];
+    const int qd = heads * head_dim, kvd = kv_heads * head_dim;
+    const int b = blockIdx.x;
+    if (b < heads + kv_heads) {
+        const float pos = (float)positions[0];
+        if (b < heads)
+            norm_rope_head(qkv + b * head_dim, qw, q_out + b * head_dim, head_dim, eps, one_plus, pos, inv_freq,
+                           rotary_dim, scratch);
+        else
+            norm_rope_head(qkv + 2 * qd + (b - heads) * head_dim, kw, k_row + (b - heads) * head_dim, head_dim, eps,
+                           one_plus, pos, inv_freq, rotary_dim, scratch);
+        return;
+    }
+    const int copiers = gridDim.x - heads - kv_heads;
+    for (int i = (b - heads - kv_heads) * blockDim.x + threadIdx.x; i < qd + kvd; i += copiers * blockDim.x) {
+        if (i < qd)
+            gate_out[i] = qkv[qd + i];
+        else
+            v_row[i - qd] = qkv[2 * qd + kvd + (i - qd)];
     }
 }

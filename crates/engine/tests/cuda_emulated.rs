@@ -129,6 +129,12 @@ fn norm_split_driver() -> Option<&'static Path> {
         .as_deref()
 }
 
+fn attention_inputs_driver() -> Option<&'static Path> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| build("attention_inputs", &["kernels/norm.cu"]))
+        .as_deref()
+}
+
 fn moe_route_driver() -> Option<&'static Path> {
     static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
     EXE.get_or_init(|| build("moe_route", &["kernels/moe.cu"]))
@@ -304,8 +310,31 @@ fn the_split_norm_meets_at_its_barrier_and_equals_the_one_block_norm() {
             &format!("the emulated split norm ({group} values over {blocks} blocks, add {add})"),
         );
     }
-    assert_eq!(norm_split_plan(1024), None, "a 1024-value row loads in one round on one SM");
+    assert_eq!(
+        norm_split_plan(1024),
+        None,
+        "a 1024-value row loads in one round on one SM"
+    );
     assert_eq!(norm_split_plan(5000), None, "not whole int8 groups");
+}
+
+#[test]
+fn fused_attention_inputs_equal_the_five_launches_they_replace() {
+    // The 27B's attention (24 heads, 4 KV heads of 256, a quarter rotated) and a small one
+    // with odd head counts; the launch shape is the backend's (a head a block, then copiers).
+    let Some(exe) = attention_inputs_driver() else {
+        return;
+    };
+    for (heads, kv_heads, d, rotary) in [(24usize, 4, 256usize, 64), (3, 1, 64, 64)] {
+        let threads = d.div_ceil(32).clamp(1, 8) * 32;
+        let copiers = (heads * d + kv_heads * d).div_ceil(threads * 4).max(1);
+        run_driver(
+            exe,
+            &[heads, kv_heads, d, rotary, threads, copiers, 3],
+            4,
+            &format!("the emulated attention inputs ({heads} heads, {kv_heads} KV heads of {d})"),
+        );
+    }
 }
 
 #[test]

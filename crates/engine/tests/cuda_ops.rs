@@ -11,7 +11,9 @@
 
 use capy_engine::backend::cpu::{CpuBackend, CpuTensor};
 use capy_engine::backend::cuda::CudaBackend;
-use capy_engine::backend::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
+use capy_engine::backend::{
+    attention_inputs_composed, AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale,
+};
 use capy_engine::tensor::{Bytes, DType, HostTensor};
 
 const ATOL: f32 = 1e-4;
@@ -319,7 +321,13 @@ fn split_norm_matches_the_one_block_norm_call_after_call() {
             let (x_one, out_one) = run(false);
             let what = format!("{group} values, call {call}");
             assert_eq!(x_split, x_one, "residual of the split norm, {what}");
-            assert_close_tol(&out_split, &out_one, 1e-6, 1e-6, &format!("split norm, {what}"));
+            assert_close_tol(
+                &out_split,
+                &out_one,
+                1e-6,
+                1e-6,
+                &format!("split norm, {what}"),
+            );
         }
     }
     g.set_norm_split(true);
@@ -1083,6 +1091,92 @@ fn producers_int8_copy_equals_quantizing_in_the_matvec() {
         &want,
         &m17408,
     );
+}
+
+/// A decode row's attention inputs in one launch (`attention_inputs_row`) against the same
+/// backend's plain ops (bit for bit) and the CPU backend, into caches with room for the row
+/// and caches that must grow.
+#[test]
+fn fused_attention_inputs_match_the_plain_ops_and_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(17);
+    let s = attention_shape(24, 4, 256);
+    let (qd, kvd) = (24 * 256, 4 * 256);
+    let inv_freq: Vec<f32> = (0..32).map(|i| 10000f32.powf(-(i as f32) / 32.0)).collect();
+    let (qw, kw) = (r.vec(256, 0.5), r.vec(256, 0.5));
+    let (qwg, kwg) = (g.vector(&qw).unwrap(), g.vector(&kw).unwrap());
+    // 16 rows fill a fresh cache's first allocation; the 17th grows it.
+    for past in [3, 16] {
+        let cached = r.vec(past * kvd, 1.0);
+        let row = r.vec(2 * qd + 2 * kvd, 2.0);
+        let (rc, rg) = pair(&g, 1, row.len(), &row);
+        let caches = |b: &CudaBackend| {
+            let mut k = b.from_host(0, kvd, &[]);
+            let mut v = b.from_host(0, kvd, &[]);
+            b.append_rows(&mut k, &b.from_host(past, kvd, &cached));
+            b.append_rows(&mut v, &b.from_host(past, kvd, &cached));
+            (k, v)
+        };
+        let pos = [past];
+        let (mut kf, mut vf) = caches(&g);
+        let (qf, gf) = g.attention_inputs(
+            &rg,
+            s,
+            [&qwg, &kwg],
+            1e-6,
+            &pos,
+            64,
+            &inv_freq,
+            [&mut kf, &mut vf],
+        );
+        let (mut kp, mut vp) = caches(&g);
+        let (qp, gp) = attention_inputs_composed(
+            &g,
+            &rg,
+            s,
+            [&qwg, &kwg],
+            1e-6,
+            &pos,
+            64,
+            &inv_freq,
+            [&mut kp, &mut vp],
+        );
+        let what = format!("{past} cached rows");
+        assert_eq!(g.shape(&kf), (past + 1, kvd), "{what}");
+        assert_eq!(g.to_host(&qf), g.to_host(&qp), "q, {what}");
+        assert_eq!(g.to_host(&gf), g.to_host(&gp), "gate, {what}");
+        assert_eq!(g.to_host(&kf), g.to_host(&kp), "key cache, {what}");
+        assert_eq!(g.to_host(&vf), g.to_host(&vp), "value cache, {what}");
+        let mut kc = c.from_host(past, kvd, &cached);
+        let mut vc = c.from_host(past, kvd, &cached);
+        let (qc, gc) = c.attention_inputs(
+            &rc,
+            s,
+            [&qw, &kw],
+            1e-6,
+            &pos,
+            64,
+            &inv_freq,
+            [&mut kc, &mut vc],
+        );
+        assert_close(
+            &g.to_host(&qf),
+            &qc.data,
+            &format!("q against the CPU, {what}"),
+        );
+        assert_eq!(g.to_host(&gf), gc.data, "gate against the CPU, {what}");
+        assert_close(
+            &g.to_host(&kf),
+            &kc.data,
+            &format!("key cache against the CPU, {what}"),
+        );
+        assert_eq!(
+            g.to_host(&vf),
+            vc.data,
+            "value cache against the CPU, {what}"
+        );
+    }
 }
 
 /// The fused decode ops (split_cols, silu_mul_halves, add_rms_norm, the packed delta rule,

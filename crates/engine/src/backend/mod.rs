@@ -45,6 +45,40 @@ pub struct DeltaRuleShape {
     pub v_head_dim: usize,
 }
 
+/// [`Backend::attention_inputs`] from the plain ops: split the projection, norm and rotate q
+/// and k, append k and v.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_inputs_composed<B: Backend>(
+    b: &B,
+    qkv: &B::Act,
+    s: AttentionShape,
+    [q_norm, k_norm]: [&B::Vector; 2],
+    eps: f32,
+    positions: &[usize],
+    rotary_dim: usize,
+    inv_freq: &[f32],
+    [k_cache, v_cache]: [&mut B::Act; 2],
+) -> (B::Act, B::Act) {
+    let (qd, kvd) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+    let [q_raw, gate, k_raw, v] = b.split_cols(qkv, [qd, qd, kvd, kvd]);
+    let norm_rope = |raw: &B::Act, w: &B::Vector| {
+        b.rms_norm_rope(
+            raw,
+            w,
+            eps,
+            NormScale::OnePlus,
+            positions,
+            s.head_dim,
+            rotary_dim,
+            inv_freq,
+        )
+    };
+    let (q, k) = (norm_rope(&q_raw, q_norm), norm_rope(&k_raw, k_norm));
+    b.append_rows(k_cache, &k);
+    b.append_rows(v_cache, &v);
+    (q, gate)
+}
+
 /// Shapes of one attention call.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -260,6 +294,30 @@ pub trait Backend: Send + Sync + 'static {
         rotary_dim: usize,
         inv_freq: &[f32],
     );
+
+    /// One step's attention inputs from the fused projection `qkv` = [q ‖ gate ‖ k ‖ v]
+    /// (`s.num_heads · d`, as many, `s.num_kv_heads · d`, as many columns): q and k normed per
+    /// head (`NormScale::OnePlus`) and rotated, k and v appended to the caches. Returns
+    /// (q, gate). The default composes the plain ops ([`attention_inputs_composed`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_inputs(
+        &self,
+        qkv: &Self::Act,
+        s: AttentionShape,
+        norms: [&Self::Vector; 2],
+        eps: f32,
+        positions: &[usize],
+        rotary_dim: usize,
+        inv_freq: &[f32],
+        caches: [&mut Self::Act; 2],
+    ) -> (Self::Act, Self::Act)
+    where
+        Self: Sized,
+    {
+        attention_inputs_composed(
+            self, qkv, s, norms, eps, positions, rotary_dim, inv_freq, caches,
+        )
+    }
 
     /// Per-head RMSNorm then RoPE (gated attention's q/k norms): [`Backend::rms_norm`] over
     /// groups of `head_dim`, rotated as [`Backend::rope`] does. One pass instead of two.

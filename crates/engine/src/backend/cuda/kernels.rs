@@ -147,6 +147,7 @@ pub fn sources() -> Vec<KernelSource> {
                 "add_rms_norm_split",
                 "rms_norm_rope",
                 "rms_norm_wide",
+                "attention_inputs_row",
             ]
             .map(String::from)
             .to_vec(),

@@ -25,7 +25,9 @@ mod nvfp4_records;
 mod staging;
 
 use super::cpu::experts::format::RowFormat;
-use super::{AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale};
+use super::{
+    attention_inputs_composed, AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale,
+};
 use crate::tensor::{DType, HostTensor};
 use anyhow::{bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -506,6 +508,9 @@ struct Inner {
     /// Split-K records plans re-chosen by waves (`records_splitk_by_waves`), unless
     /// `CAPY_RECORDS_WAVES=0`; and the resident blocks an SM of each records kernel asked.
     records_waves: bool,
+    /// A decode row's attention inputs in one launch (`attention_inputs_row`), unless
+    /// `CAPY_ATTENTION_INPUTS_FUSED=0`.
+    attention_inputs_fused: bool,
     records_residency: Mutex<HashMap<&'static str, usize>>,
     /// `CudaBackend::attention_slots`, computed at the first decode attention.
     attention_slots: std::sync::OnceLock<usize>,
@@ -1096,6 +1101,8 @@ impl CudaBackend {
                 norm_barrier,
                 attention_slots: std::sync::OnceLock::new(),
                 records_waves: records_waves_enabled(),
+                attention_inputs_fused: std::env::var("CAPY_ATTENTION_INPUTS_FUSED")
+                    .map_or(true, |v| v != "0"),
                 records_residency: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
@@ -1502,6 +1509,19 @@ impl CudaBackend {
         *cache
             .entry(name)
             .or_insert_with(|| self.resident_blocks_per_sm(name, 256, 0).unwrap_or(1))
+    }
+
+    /// Room for `extra` more rows in `dst` (a cache), whose contents are about to change.
+    fn reserve_rows(&self, dst: &mut CudaTensor, extra: usize) {
+        dst.written();
+        let needed = dst.rows + extra;
+        if needed > dst.capacity {
+            // Grow by doubling so a cache filled token by token is copied O(log n) times.
+            let capacity = needed.max(dst.capacity * 2).max(16);
+            let grown = self.alloc_act(dst.rows, dst.cols, capacity);
+            self.copy_dtod(grown.ptr(), dst.ptr(), dst.len() * 4);
+            *dst = grown;
+        }
     }
 
     fn norm_split(&self) -> bool {
@@ -2629,18 +2649,10 @@ impl Backend for CudaBackend {
     }
 
     fn append_rows(&self, dst: &mut CudaTensor, src: &CudaTensor) {
-        dst.written();
         assert_eq!(dst.cols, src.cols, "append_rows: column counts differ");
-        let needed = dst.rows + src.rows;
-        if needed > dst.capacity {
-            // Grow by doubling so a cache filled token by token is copied O(log n) times.
-            let capacity = needed.max(dst.capacity * 2).max(16);
-            let grown = self.alloc_act(dst.rows, dst.cols, capacity);
-            self.copy_dtod(grown.ptr(), dst.ptr(), dst.len() * 4);
-            *dst = grown;
-        }
+        self.reserve_rows(dst, src.rows);
         self.copy_dtod(dst.row_ptr(dst.rows), src.ptr(), src.len() * 4);
-        dst.rows = needed;
+        dst.rows += src.rows;
     }
 
     fn truncate_rows(&self, x: &mut CudaTensor, rows: usize) {
@@ -2874,9 +2886,16 @@ impl Backend for CudaBackend {
         let (xq, xs) = out.q8_args();
         let one_plus = (scale == NormScale::OnePlus) as i32;
         match norm_split_plan(group) {
-            Some((blocks, threads)) if groups == 1 && self.norm_split() => {
-                self.launch_norm_split(x.ptr(), y.ptr(), w, &out, group, eps, one_plus, (blocks, threads))
-            }
+            Some((blocks, threads)) if groups == 1 && self.norm_split() => self.launch_norm_split(
+                x.ptr(),
+                y.ptr(),
+                w,
+                &out,
+                group,
+                eps,
+                one_plus,
+                (blocks, threads),
+            ),
             _ if groups > 0 => {
                 let threads = norm_threads(group);
                 launch!(self, "add_rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
@@ -3084,6 +3103,62 @@ impl Backend for CudaBackend {
             x.ptr(), w.buf.ptr, out.ptr(), head_dim as i32, eps, (scale == NormScale::OnePlus) as i32,
             dev_pos, freq, (x.cols / head_dim) as i32, rotary_dim as i32);
         out
+    }
+
+    fn attention_inputs(
+        &self,
+        qkv: &CudaTensor,
+        s: AttentionShape,
+        norms: [&CudaVector; 2],
+        eps: f32,
+        positions: &[usize],
+        rotary_dim: usize,
+        inv_freq: &[f32],
+        [k_cache, v_cache]: [&mut CudaTensor; 2],
+    ) -> (CudaTensor, CudaTensor) {
+        let (qd, kvd, d) = (
+            s.num_heads * s.head_dim,
+            s.num_kv_heads * s.head_dim,
+            s.head_dim,
+        );
+        let fused = qkv.rows == 1
+            && positions.len() == 1
+            && qkv.cols == 2 * qd + 2 * kvd
+            && k_cache.cols == kvd
+            && v_cache.cols == kvd
+            && norms.iter().all(|w| w.len == d)
+            && rotary_dim <= d
+            && inv_freq.len() >= rotary_dim / 2
+            && self.inner.attention_inputs_fused;
+        if !fused {
+            return attention_inputs_composed(
+                self,
+                qkv,
+                s,
+                norms,
+                eps,
+                positions,
+                rotary_dim,
+                inv_freq,
+                [k_cache, v_cache],
+            );
+        }
+        let (q, gate) = (self.alloc_act(1, qd, 1), self.alloc_act(1, qd, 1));
+        self.reserve_rows(k_cache, 1);
+        self.reserve_rows(v_cache, 1);
+        let dev_pos = self.positions_device(&[positions[0] as i32]);
+        let freq = self.inv_freq_device(inv_freq);
+        let threads = ceil_div(d, 32).clamp(1, 8) * 32;
+        // A head a block, then enough 256-value copiers for the gate and v.
+        let copiers = ceil_div(qd + kvd, threads * 4).max(1);
+        let blocks = s.num_heads + s.num_kv_heads + copiers;
+        launch!(self, "attention_inputs_row", (blocks as u32, 1, 1), (threads as u32, 1, 1), 0;
+            qkv.ptr(), norms[0].buf.ptr, norms[1].buf.ptr, q.ptr(), gate.ptr(),
+            k_cache.row_ptr(k_cache.rows), v_cache.row_ptr(v_cache.rows), s.num_heads as i32,
+            s.num_kv_heads as i32, d as i32, eps, 1i32, dev_pos, freq, rotary_dim as i32);
+        k_cache.rows += 1;
+        v_cache.rows += 1;
+        (q, gate)
     }
 
     fn attention(

@@ -217,9 +217,9 @@ impl<B: Backend> Attention<B> {
     ) -> B::Act {
         let s = self.shape;
         let (qd, kvd) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
-        // 1. projections, per-head q/k norms with the rotary embedding
-        let [q_raw, gate, k_raw, v] =
-            b.split_cols(&b.linear(x, &self.qkv_proj), [qd, qd, kvd, kvd]);
+        // 1. projections, per-head q/k norms with the rotary embedding; one sequence's caches
+        // take its k and v at once (one fused step on the GPU)
+        let qkv = b.linear(x, &self.qkv_proj);
         let norm_rope = |raw: &B::Act, w: &B::Vector, head_dim: usize| {
             b.rms_norm_rope(
                 raw,
@@ -232,8 +232,27 @@ impl<B: Backend> Attention<B> {
                 inv_freq,
             )
         };
-        let q = norm_rope(&q_raw, &self.q_norm, s.head_dim);
-        let k = norm_rope(&k_raw, &self.k_norm, s.head_dim);
+        let (q, gate, kv) = match states {
+            [state] => {
+                let (q, gate) = b.attention_inputs(
+                    &qkv,
+                    s,
+                    [&self.q_norm, &self.k_norm],
+                    self.eps,
+                    positions,
+                    self.rotary_dim,
+                    inv_freq,
+                    [&mut state.k, &mut state.v],
+                );
+                (q, gate, None)
+            }
+            _ => {
+                let [q_raw, gate, k_raw, v] = b.split_cols(&qkv, [qd, qd, kvd, kvd]);
+                let q = norm_rope(&q_raw, &self.q_norm, s.head_dim);
+                let k = norm_rope(&k_raw, &self.k_norm, s.head_dim);
+                (q, gate, Some((k, v)))
+            }
+        };
         // QSA: indexer queries (normed, rotated) and raw keys of the whole batch
         let index = self.indexer.as_ref().map(|ix| {
             let iq = ix.shape.index_heads * ix.shape.index_head_dim;
@@ -245,8 +264,10 @@ impl<B: Backend> Attention<B> {
         // 2. per sequence: append to the caches, attend
         let mut outs = Vec::with_capacity(spans.len());
         for (span, state) in spans.iter().zip(states.iter_mut()) {
-            b.append_rows(&mut state.k, &rows_of(b, &k, span.rows()));
-            b.append_rows(&mut state.v, &rows_of(b, &v, span.rows()));
+            if let Some((k, v)) = &kv {
+                b.append_rows(&mut state.k, &rows_of(b, k, span.rows()));
+                b.append_rows(&mut state.v, &rows_of(b, v, span.rows()));
+            }
             let q_span = rows_of(b, &q, span.rows());
             match (&self.indexer, &index, &mut state.index) {
                 (Some(ix), Some((q_index, raw_k)), Some((raw_cache, blocks))) => {
