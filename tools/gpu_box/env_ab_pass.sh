@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Same-run A/B of settings (carry [".gpu"] after build.sh, plus ".gpu-base" for BASE_FN=1):
-# $TESTS first; then for each case of $CASES ("model:format:VAR=value …") the default bench
+# $TESTS first (and $EXACT_TESTS under CAPY_EXACT_MATH=1); then for each case of $CASES ("model:format:VAR=value …") the default bench
 # and the bench under VAR=value, as $OUT/<model>-<format>.json and <model>-<format>-<VAR>.json
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
 # ($OUT/qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
@@ -8,6 +8,9 @@
 source tools/gpu_box/common.sh
 for t in $TESTS; do
   step "$t" 150 ".gpu/tests/$t" --test-threads=1
+done
+for t in $EXACT_TESTS; do
+  CAPY_EXACT_MATH=1 step "$t-exact" 120 ".gpu/tests/$t" --test-threads=1
 done
 bench() { # out-name binary model format
   step "$1" 150 "$2" bench --out "$OUT/$1.json" gpu --synthetic "$3" --quant "$4" --decode-tokens 16
