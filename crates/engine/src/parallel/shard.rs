@@ -356,13 +356,9 @@ pub fn argmax_across_ranks(best: &[(u32, f32)]) -> Option<u32> {
 /// The best `(id, logit)` of one rank's logits `values` for ids `vocab.start..`; ties to the
 /// lowest id.
 pub fn local_argmax(values: &[f32], vocab: &Range<usize>) -> Option<(u32, f32)> {
-    let mut best: Option<(u32, f32)> = None;
-    for (i, &v) in values.iter().enumerate() {
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some(((vocab.start + i) as u32, v));
-        }
-    }
-    best
+    crate::sampling::argmax_with_value(values)
+        .or_else(|| values.first().map(|&v| (0, v)))
+        .map(|(i, v)| ((vocab.start + i) as u32, v))
 }
 
 /// F32 values of a float tensor of any float dtype.

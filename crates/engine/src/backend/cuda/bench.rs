@@ -410,14 +410,8 @@ pub(crate) fn gib(b: u64) -> String {
 }
 
 /// The index of the largest logit (greedy decoding).
-pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    logits
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i as u32)
-        .unwrap_or(0)
-}
+/// The greedy token, as the server's sampler picks it.
+pub(crate) use crate::sampling::argmax;
 
 /// Prefills `prompt` into `seq` (timed): the last row's logits, checked finite, and seconds.
 pub(crate) fn timed_prefill(

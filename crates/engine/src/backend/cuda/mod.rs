@@ -179,46 +179,6 @@ fn records_splitk_plan(
         .filter(|k| blocks(k.rpw, k.ks) > plain)
 }
 
-/// `records_splitk_plan`'s choice, then re-chosen among the split variants by how well their
-/// grids fill the GPU's resident block slots (`resident(kernel)`: blocks of it an SM holds,
-/// which its registers decide). A grid of 3.2 waves runs its last wave a fifth full: the 27B's
-/// down projection (1280 blocks of `_2_4` at 3 an SM on an H100) waits on that tail, where
-/// `_1_2` (5 an SM) fills 1.94 waves. Another variant replaces the choice only where it fills
-/// 5% better (the others' fixed costs, a second row's x reloads or a wider sum, are not
-/// modelled). `CAPY_RECORDS_WAVES=0` keeps the first choice.
-fn records_splitk_by_waves(
-    family: &RecordsFamily,
-    rows: usize,
-    cols: usize,
-    multiprocessors: usize,
-    resident: impl Fn(&'static str) -> usize,
-) -> Option<RecordsSplitK> {
-    let chosen = records_splitk_plan(family, rows, cols, multiprocessors)?;
-    let fill = |k: &RecordsSplitK| {
-        let blocks = ceil_div(rows, k.rpw * (family.slices / k.ks)) as f64;
-        let waves = blocks / (resident(k.name).max(1) * multiprocessors.max(1)) as f64;
-        if waves <= 1.0 {
-            waves
-        } else {
-            waves / waves.ceil()
-        }
-    };
-    let records = cols / 1024;
-    let mut pick = (chosen, fill(&chosen));
-    for k in family.splitk.iter().filter(|k| records >= 2 * k.ks) {
-        let f = fill(k);
-        if f > pick.1 * 1.05 {
-            pick = (*k, f);
-        }
-    }
-    Some(pick.0)
-}
-
-/// `CAPY_RECORDS_WAVES=0`: the split-K plan by blocks alone (`records_splitk_plan`).
-fn records_waves_enabled() -> bool {
-    std::env::var("CAPY_RECORDS_WAVES").map_or(true, |v| v != "0")
-}
-
 /// The NVFP4 records plan (`records_splitk_plan`; the plain kernel takes
 /// `NVFP4R_ROWS_PER_WARP` rows a warp).
 pub fn nvfp4r_splitk_plan(
@@ -505,13 +465,9 @@ struct Inner {
     /// `add_rms_norm_split`'s meeting point, allocated with the backend and zeroed: its
     /// partial sums, then its two counters, which every call leaves at zero.
     norm_barrier: NormBarrier,
-    /// Split-K records plans re-chosen by waves (`records_splitk_by_waves`), unless
-    /// `CAPY_RECORDS_WAVES=0`; and the resident blocks an SM of each records kernel asked.
-    records_waves: bool,
     /// A decode row's attention inputs in one launch (`attention_inputs_row`), unless
     /// `CAPY_ATTENTION_INPUTS_FUSED=0`.
     attention_inputs_fused: bool,
-    records_residency: Mutex<HashMap<&'static str, usize>>,
     /// `CudaBackend::attention_slots`, computed at the first decode attention.
     attention_slots: std::sync::OnceLock<usize>,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
@@ -1100,10 +1056,8 @@ impl CudaBackend {
                 norm_split: std::sync::atomic::AtomicBool::new(norm_split_enabled_by_env()),
                 norm_barrier,
                 attention_slots: std::sync::OnceLock::new(),
-                records_waves: records_waves_enabled(),
                 attention_inputs_fused: std::env::var("CAPY_ATTENTION_INPUTS_FUSED")
                     .map_or(true, |v| v != "0"),
-                records_residency: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -1499,18 +1453,6 @@ impl CudaBackend {
         out
     }
 
-    /// Blocks of records matvec `name` (256 threads) an SM holds, asked of the driver once.
-    fn records_residency(&self, name: &'static str) -> usize {
-        let mut cache = self
-            .inner
-            .records_residency
-            .lock()
-            .expect("residency cache poisoned");
-        *cache
-            .entry(name)
-            .or_insert_with(|| self.resident_blocks_per_sm(name, 256, 0).unwrap_or(1))
-    }
-
     /// Room for `extra` more rows in `dst` (a cache), whose contents are about to change.
     fn reserve_rows(&self, dst: &mut CudaTensor, extra: usize) {
         dst.written();
@@ -1785,15 +1727,7 @@ impl CudaBackend {
             &NVFP4R_FAMILY
         };
         let sms = self.inner.info.multiprocessors.max(1) as usize;
-        let plan = || {
-            if self.inner.records_waves {
-                records_splitk_by_waves(family, w.rows, w.cols, sms, |name| {
-                    self.records_residency(name)
-                })
-            } else {
-                records_splitk_plan(family, w.rows, w.cols, sms)
-            }
-        };
+        let plan = || records_splitk_plan(family, w.rows, w.cols, sms);
         let splitk = match records_kernel_of(self.inner.records_kernel.load(Ordering::Relaxed)) {
             RecordsKernel::Auto => plan(),
             RecordsKernel::Plain => None,
@@ -3431,32 +3365,6 @@ mod tests {
                 if let Some(k) = nvfp4r_splitk_plan(rows, cols, 132) {
                     assert!(cols / 1024 >= 2 * k.ks, "{rows}x{cols}: {k:?}");
                     assert!(NVFP4R_WARPS.is_multiple_of(k.ks));
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn split_k_plans_by_waves_fill_the_last_wave() {
-        // The H100's residency of the NVFP4 records kernels (sm_90 registers: 66 with two rows
-        // a warp, 48 with one): 3 and 5 blocks an SM.
-        let h100 = |name: &str| if name.contains("_q8k_2_") { 3 } else { 5 };
-        let plan = |rows, cols| {
-            records_splitk_by_waves(&NVFP4R_FAMILY, rows, cols, 132, h100).map(|k| (k.rpw, k.ks))
-        };
-        // down: `_2_4` would run 1280 blocks in 3.2 waves of 396; `_1_2`'s 1280 fill 1.94 of 660.
-        assert_eq!(plan(5120, 17408), Some((1, 2)));
-        // Within 5% of the first choice: kept.
-        assert_eq!(plan(16480, 5120), Some((2, 2)));
-        assert_eq!(plan(14336, 5120), Some((2, 2)));
-        assert_eq!(plan(5120, 6144), Some((1, 2)));
-        // No split stays no split.
-        assert_eq!(plan(34816, 5120), None);
-        // Every pick leaves each slice 2 records.
-        for rows in [1, 7, 70, 5120, 100_000] {
-            for cols in [1024, 2048, 5120, 17408, 32768] {
-                if let Some(k) = records_splitk_by_waves(&NVFP4R_FAMILY, rows, cols, 132, h100) {
-                    assert!(cols / 1024 >= 2 * k.ks, "{rows}x{cols}: {k:?}");
                 }
             }
         }
