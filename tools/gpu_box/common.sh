@@ -47,6 +47,34 @@ ncu_prefill_profile() {
   python3 tools/gpu_box/ncu_summary.py "$LOGS/$name.txt" 1 name > "$OUT/$name.json"
 }
 
+# Every CUDA suite (fast math), then the fixture and graph suites under CAPY_EXACT_MATH=1.
+cuda_suites() {
+  local t
+  for t in cuda_ops cuda_graphs cuda_hybrid tensor_parallel_cuda cuda_qwen3_5_text_fixtures \
+           cuda_qwen4_exp_text_fixtures cuda_flash_next_ops; do
+    step "$t" 150 ".gpu/tests/$t" --test-threads=1
+  done
+  for t in cuda_graphs cuda_qwen3_5_text_fixtures cuda_qwen4_exp_text_fixtures; do
+    CAPY_EXACT_MATH=1 step "$t-exact" 120 ".gpu/tests/$t" --test-threads=1
+  done
+}
+
+# The ncu sections (launch, occupancy, speed of light, memory, warp states) of the decode
+# kernels matching regex $1, the first $2 launches (default 8) of one decode step of `bench gpu`
+# with the remaining arguments (default the 27B NVFP4), into $OUT/ncu-detail.txt.
+ncu_detail() {
+  local kernels=$1 launches=${2:-8}
+  shift 2 || shift $#
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(--synthetic qwen3.8-27b --quant nvfp4)
+  CAPY_PROFILE_DECODE_STEPS=1 step ncu-detail 300 ncu --clock-control none --cache-control none \
+    --profile-from-start off -k "regex:$kernels" --launch-count "$launches" \
+    --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats \
+    .gpu/capy-flash bench --out "$LOGS/gpu-ncu.json" gpu "${args[@]}" --decode-tokens 4
+  cp "$LOGS/ncu-detail.txt" "$OUT/ncu-detail.txt"
+}
+
 finish() {
   ( cd "$LOGS" && tar czf "$OUT/logs.tgz" . )
 }

@@ -24,12 +24,5 @@ if [ -n "$BASE_FN" ]; then
   xz -dc .gpu-base/capy-flash.xz > /tmp/capy-base && chmod +x /tmp/capy-base
   bench qwen3.8-flash-next-iq3_s-base /tmp/capy-base qwen3.8-flash-next iq3_s
 fi
-if [ -n "$NCU_KERNELS" ]; then
-  CAPY_PROFILE_DECODE_STEPS=1 step ncu-detail 150 ncu --clock-control none --cache-control none \
-    --profile-from-start off -k "regex:$NCU_KERNELS" --launch-count "${NCU_LAUNCHES:-8}" \
-    --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section SchedulerStats \
-    .gpu/capy-flash bench --out "$LOGS/gpu-ncu.json" gpu --synthetic qwen3.8-27b --quant nvfp4 --decode-tokens 4
-  cp "$LOGS/ncu-detail.txt" "$OUT/ncu-detail.txt"
-fi
+[ -z "$NCU_KERNELS" ] || ncu_detail "$NCU_KERNELS" "${NCU_LAUNCHES:-8}"
 finish

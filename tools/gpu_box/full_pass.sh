@@ -7,15 +7,7 @@
 # $FN_FORMATS (default iq3_s nvfp4) the card holds (NVFP4 needs ~80 GB). Bench records land
 # in $OUT; the logs in $OUT/logs.tgz. SKIP_TESTS=1 leaves the suites out.
 source tools/gpu_box/common.sh
-if [ -z "$SKIP_TESTS" ]; then
-  for t in cuda_ops cuda_graphs cuda_hybrid tensor_parallel_cuda cuda_qwen3_5_text_fixtures \
-           cuda_qwen4_exp_text_fixtures cuda_flash_next_ops; do
-    step "$t" 150 ".gpu/tests/$t" --test-threads=1
-  done
-  for t in cuda_graphs cuda_qwen3_5_text_fixtures cuda_qwen4_exp_text_fixtures; do
-    CAPY_EXACT_MATH=1 step "$t-exact" 120 ".gpu/tests/$t" --test-threads=1
-  done
-fi
+[ -n "$SKIP_TESTS" ] || cuda_suites
 bench() { # name limit bench-gpu-args...
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" .gpu/capy-flash bench --out "$OUT/$name.json" gpu "$@" --decode-tokens 16
@@ -25,14 +17,7 @@ if [ -n "$AB_ENV" ]; then
   ( export $AB_ENV; bench gpu-27b-nvfp4-ab 150 --synthetic qwen3.8-27b --quant nvfp4 )
 fi
 bench gpu-27b-iq3_s 150 --synthetic qwen3.8-27b --quant iq3_s
-if [ -n "$NCU_KERNELS" ]; then
-  CAPY_PROFILE_DECODE_STEPS=1 step ncu-detail 150 ncu --clock-control none --cache-control none \
-    --profile-from-start off -k "regex:$NCU_KERNELS" --launch-count "${NCU_LAUNCHES:-8}" \
-    --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section SchedulerStats \
-    .gpu/capy-flash bench --out "$LOGS/gpu-ncu.json" gpu --synthetic qwen3.8-27b --quant nvfp4 --decode-tokens 4
-  cp "$LOGS/ncu-detail.txt" "$OUT/ncu-detail.txt"
-fi
+[ -z "$NCU_KERNELS" ] || ncu_detail "$NCU_KERNELS" "${NCU_LAUNCHES:-8}"
 gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024 ))
 for f in ${FN_FORMATS:-iq3_s nvfp4}; do
   if [ "$f" = nvfp4 ] && [ "$gpu_gib" -lt 100 ]; then

@@ -5,13 +5,7 @@
 # runs the bench again under that setting into $OUT/gpu-27b-ab.json, for a same-run comparison.
 # Returns $OUT/gpu-27b.json, $OUT/ncu-summary.json, $OUT/logs.tgz.
 source tools/gpu_box/common.sh
-for t in cuda_ops cuda_graphs cuda_hybrid tensor_parallel_cuda cuda_qwen3_5_text_fixtures \
-         cuda_qwen4_exp_text_fixtures cuda_flash_next_ops; do
-  step "$t" 150 ".gpu/tests/$t" --test-threads=1
-done
-for t in cuda_graphs cuda_qwen3_5_text_fixtures cuda_qwen4_exp_text_fixtures; do
-  CAPY_EXACT_MATH=1 step "$t-exact" 120 ".gpu/tests/$t" --test-threads=1
-done
+cuda_suites
 if [ -z "$SKIP_BENCH" ]; then
   step gpu-27b 200 .gpu/capy-flash bench --out "$OUT/gpu-27b.json" gpu --synthetic qwen3.8-27b \
     --quant nvfp4 --decode-tokens 16

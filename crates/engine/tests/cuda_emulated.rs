@@ -111,65 +111,53 @@ fn build(driver: &str, kernel_files: &[&str]) -> Option<PathBuf> {
     Some(exe)
 }
 
-fn delta_rule_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("delta_rule", &["kernels/delta_rule.cu"]))
-        .as_deref()
+/// `fn $fn() -> Option<&'static Path>`: the emulator driver `cuda_emulated/$driver.cpp` with
+/// `$files` (after kernels/common.cuh), built once per test run (None where there is no C++
+/// compiler).
+macro_rules! driver {
+    ($fn:ident, $driver:literal, [$($file:literal),* $(,)?]) => {
+        fn $fn() -> Option<&'static Path> {
+            static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+            EXE.get_or_init(|| build($driver, &[$($file),*])).as_deref()
+        }
+    };
 }
 
-fn norm_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("norm", &["kernels/norm.cu", "kernels/hyper.cu"]))
-        .as_deref()
-}
+driver!(delta_rule_driver, "delta_rule", ["kernels/delta_rule.cu"]);
 
-fn norm_split_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("norm_split", &["kernels/norm.cu"]))
-        .as_deref()
-}
+driver!(norm_driver, "norm", ["kernels/norm.cu", "kernels/hyper.cu"]);
 
-fn attention_inputs_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("attention_inputs", &["kernels/norm.cu"]))
-        .as_deref()
-}
+driver!(norm_split_driver, "norm_split", ["kernels/norm.cu"]);
 
-fn moe_route_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("moe_route", &["kernels/moe.cu"]))
-        .as_deref()
-}
+driver!(
+    attention_inputs_driver,
+    "attention_inputs",
+    ["kernels/norm.cu"]
+);
 
-fn qsa_select_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("qsa_select", &["kernels/qsa.cu"]))
-        .as_deref()
-}
+driver!(moe_route_driver, "moe_route", ["kernels/moe.cu"]);
 
-fn qsa_attention_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("qsa_attention", &["kernels/attention.cu", "kernels/qsa.cu"]))
-        .as_deref()
-}
+driver!(qsa_select_driver, "qsa_select", ["kernels/qsa.cu"]);
 
-fn attention_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("attention", &["kernels/attention.cu"]))
-        .as_deref()
-}
+driver!(
+    qsa_attention_driver,
+    "qsa_attention",
+    ["kernels/attention.cu", "kernels/qsa.cu"]
+);
 
-fn qsa_mask_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("qsa_mask", &["kernels/attention.cu", "kernels/qsa.cu"]))
-        .as_deref()
-}
+driver!(attention_driver, "attention", ["kernels/attention.cu"]);
 
-fn conversions_driver() -> Option<&'static Path> {
-    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| build("conversions", &["kernels/elementwise.cu", "kernels/moe.cu"]))
-        .as_deref()
-}
+driver!(
+    qsa_mask_driver,
+    "qsa_mask",
+    ["kernels/attention.cu", "kernels/qsa.cu"]
+);
+
+driver!(
+    conversions_driver,
+    "conversions",
+    ["kernels/elementwise.cu", "kernels/moe.cu"]
+);
 
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.

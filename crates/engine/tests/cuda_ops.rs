@@ -1119,35 +1119,29 @@ fn fused_attention_inputs_match_the_plain_ops_and_cpu() {
             (k, v)
         };
         let pos = [past];
-        let (mut kf, mut vf) = caches(&g);
-        let (qf, gf) = g.attention_inputs(
-            &rg,
-            s,
-            [&qwg, &kwg],
-            1e-6,
-            &pos,
-            64,
-            &inv_freq,
-            [&mut kf, &mut vf],
-        );
-        let (mut kp, mut vp) = caches(&g);
-        let (qp, gp) = attention_inputs_composed(
-            &g,
-            &rg,
-            s,
-            [&qwg, &kwg],
-            1e-6,
-            &pos,
-            64,
-            &inv_freq,
-            [&mut kp, &mut vp],
-        );
+        // (q, gate, key cache, value cache) on the host, through the fused op or the plain ones.
+        let run = |fused: bool| {
+            let (mut k, mut v) = caches(&g);
+            let (norms, kv) = ([&qwg, &kwg], [&mut k, &mut v]);
+            let (q, gate) = if fused {
+                g.attention_inputs(&rg, s, norms, 1e-6, &pos, 64, &inv_freq, kv)
+            } else {
+                attention_inputs_composed(&g, &rg, s, norms, 1e-6, &pos, 64, &inv_freq, kv)
+            };
+            assert_eq!(
+                g.shape(&k),
+                (past + 1, kvd),
+                "{past} cached rows, fused {fused}"
+            );
+            [q, gate, k, v].map(|t| g.to_host(&t))
+        };
         let what = format!("{past} cached rows");
-        assert_eq!(g.shape(&kf), (past + 1, kvd), "{what}");
-        assert_eq!(g.to_host(&qf), g.to_host(&qp), "q, {what}");
-        assert_eq!(g.to_host(&gf), g.to_host(&gp), "gate, {what}");
-        assert_eq!(g.to_host(&kf), g.to_host(&kp), "key cache, {what}");
-        assert_eq!(g.to_host(&vf), g.to_host(&vp), "value cache, {what}");
+        let [qf, gf, kf, vf] = run(true);
+        let [qp, gp, kp, vp] = run(false);
+        assert_eq!(qf, qp, "q, {what}");
+        assert_eq!(gf, gp, "gate, {what}");
+        assert_eq!(kf, kp, "key cache, {what}");
+        assert_eq!(vf, vp, "value cache, {what}");
         let mut kc = c.from_host(past, kvd, &cached);
         let mut vc = c.from_host(past, kvd, &cached);
         let (qc, gc) = c.attention_inputs(
@@ -1160,22 +1154,10 @@ fn fused_attention_inputs_match_the_plain_ops_and_cpu() {
             &inv_freq,
             [&mut kc, &mut vc],
         );
-        assert_close(
-            &g.to_host(&qf),
-            &qc.data,
-            &format!("q against the CPU, {what}"),
-        );
-        assert_eq!(g.to_host(&gf), gc.data, "gate against the CPU, {what}");
-        assert_close(
-            &g.to_host(&kf),
-            &kc.data,
-            &format!("key cache against the CPU, {what}"),
-        );
-        assert_eq!(
-            g.to_host(&vf),
-            vc.data,
-            "value cache against the CPU, {what}"
-        );
+        assert_close(&qf, &qc.data, &format!("q against the CPU, {what}"));
+        assert_eq!(gf, gc.data, "gate against the CPU, {what}");
+        assert_close(&kf, &kc.data, &format!("key cache against the CPU, {what}"));
+        assert_eq!(vf, vc.data, "value cache against the CPU, {what}");
     }
 }
 
