@@ -11,7 +11,7 @@
 #![cfg(feature = "cuda")]
 
 use capy_engine::backend::cpu::{qsa, CpuBackend, CpuTensor};
-use capy_engine::backend::cuda::CudaBackend;
+use capy_engine::backend::cuda::{flash_next, CudaBackend};
 use capy_engine::backend::{AttentionShape, Backend, ExpertMatrices, MoeRouting, QsaShape};
 use capy_engine::tensor::{Bytes, DType, HostTensor};
 
@@ -241,18 +241,7 @@ fn qsa_selects_the_same_tokens_and_attends_like_cpu() {
     }
     // The real shape: 24 heads × 256, 4 indexer heads × 128, top 512 blocks of 4 (budget 2048),
     // decode at 8K and a prefill chunk that crosses the budget.
-    let real = AttentionShape {
-        num_heads: 24,
-        num_kv_heads: 2,
-        head_dim: 256,
-        scale: 1.0 / 16.0,
-    };
-    let real_qsa = QsaShape {
-        index_heads: 4,
-        index_head_dim: 128,
-        block_topk: 512,
-        compress_ratio: 4,
-    };
+    let (real, real_qsa) = flash_next::attention_shapes();
     for (i, (total, n)) in [(8192, 1), (2300, 300)].into_iter().enumerate() {
         sparse += run_qsa_case(
             &g,
@@ -575,18 +564,7 @@ fn qsa_prefill_on_the_fast_path_stays_near_exact() {
     };
     let c = CpuBackend::new();
     let mut r = Rng(21);
-    let a = AttentionShape {
-        num_heads: 24,
-        num_kv_heads: 2,
-        head_dim: 256,
-        scale: 1.0 / 16.0,
-    };
-    let s = QsaShape {
-        index_heads: 4,
-        index_head_dim: 128,
-        block_topk: 512,
-        compress_ratio: 4,
-    };
+    let (a, s) = flash_next::attention_shapes();
     let (total, n) = (2300usize, 300usize);
     let past = total - n;
     let (qd, kvd) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);

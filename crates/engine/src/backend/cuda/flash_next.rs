@@ -1083,18 +1083,7 @@ fn flash_next_op_timings(
     let rn = routing(context);
     drop(b.moe_experts(&xn, &rn, ex));
     let moe_prefill_ms = b.time_ms(|| drop(b.moe_experts(&xn, &rn, ex)))?;
-    let a = AttentionShape {
-        num_heads: 24,
-        num_kv_heads: 2,
-        head_dim: 256,
-        scale: 1.0 / 16.0,
-    };
-    let s = QsaShape {
-        index_heads: 4,
-        index_head_dim: 128,
-        block_topk: 512,
-        compress_ratio: 4,
-    };
+    let (a, s) = attention_shapes();
     let mut rng = 1u64;
     let mut rand = |n: usize| -> Vec<f32> {
         (0..n)
@@ -1497,6 +1486,25 @@ pub fn run_synthetic_flash_next(
         },
         "op_timings": ops,
     }))
+}
+
+/// Flash-Next's QSA attention layers: 24 query heads and 2 KV heads of 256, 4 indexer heads of
+/// 128, the top 512 blocks of 4 tokens (a 2048-token budget). For op timings and GPU tests.
+pub fn attention_shapes() -> (AttentionShape, QsaShape) {
+    (
+        AttentionShape {
+            num_heads: 24,
+            num_kv_heads: 2,
+            head_dim: 256,
+            scale: 1.0 / 16.0,
+        },
+        QsaShape {
+            index_heads: 4,
+            index_head_dim: 128,
+            block_topk: 512,
+            compress_ratio: 4,
+        },
+    )
 }
 
 #[cfg(test)]
