@@ -130,7 +130,12 @@ extern "C" __global__ void attn_split(const float* q, const float* k, const floa
 // grid (heads, n), block 256; out [n, H·d]. Each split's weight e^{m_s − max} is formed once in
 // shared memory; then every output value sums its splits with independent loads (a decode step
 // at 8K context has 65 splits: a loop of dependent loads and exponentials per value took 20 µs).
-extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml, float* out, int heads, int d, int splits) { KERNEL_START();
+// With `gate` set ([n, H·d], Backend::attention_gated) every value leaves multiplied by
+// sigmoid(gate), the gated attention's output gate: a launch fewer per attention layer of a
+// decode step. With `xq` also set (one row, d % 32 == 0) its int8 copy for the output
+// projection is stored too (warp_store_q8r).
+extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml, float* out, int heads, int d, int splits,
+                                        const float* gate, unsigned char* xq, float* xs) { KERNEL_START();
     __shared__ float wt[ATTN_COMBINE_MAX_SPLITS];
     __shared__ float scratch[32];
     __shared__ float total;
@@ -160,7 +165,12 @@ extern "C" __global__ void attn_combine(const float* part_o, const float* part_m
             o3 += part_o[(base + s + 3) * d + e] * wt[s + 3];
         }
         for (; s < splits; s++) o0 += part_o[(base + s) * d + e] * wt[s];
-        out[(u64)i * heads * d + (u64)h * d + e] = ((o0 + o1) + (o2 + o3)) * inv;
+        const u64 at = (u64)i * heads * d + (u64)h * d + e;
+        float o = ((o0 + o1) + (o2 + o3)) * inv;
+        if (gate) o *= sigmoid_f(gate[at]);
+        out[at] = o;
+        // d % 32 == 0: the warp's 32 values are one whole int8 group.
+        if (xq) warp_store_q8r(o, (u32)((at - (threadIdx.x & 31)) >> 5), heads * d, xq, xs);
     }
 }
 

@@ -10,18 +10,32 @@
 
 #define GDR_MAX_DK 128
 #define GDR_MAX_WARPS (GDR_MAX_DK / 32)
+// Value tiles one block may hold: a normed block holds a head's every value column.
+#define GDR_MAX_TILES 8
 
 // q, k [n, NK·dk]; v [n, NV·dv]; g, beta [n, NV]; state [NV, dk, dv]; out [n, NV·dv]. q, k and
 // v rows are `q_stride`, `k_stride`, `v_stride` floats apart, so they may be read in place from
-// the packed conv output. grid (NV, ceil(dv / 32)), block (32, ceil(dk / 32)).
+// the packed conv output. grid (NV, ceil(dv / 32) / tiles), block (32, ceil(dk / 32) · tiles):
+// warp y holds key rows 32·(y mod warps) … of the value tile y / warps (warps = ceil(dk / 32)).
+//
+// With `norm_w` set (Backend::gated_delta_rule_normed, the GDN decode tail) a block holds all
+// of its head's value columns (gridDim.y = 1), and each token's output leaves normed and gated
+// per head: o · rsqrt(mean(o²) + eps) · w · act(z), act silu (gate_act 0) or sigmoid (1), as
+// rms_norm (gated) or rms_norm + sigmoid_gate compute it after the plain kernel: a launch fewer
+// per GDN layer of a decode step. z is [n, NV·dv]. With `xq` also set (one token, dv % 32 == 0)
+// the int8 copy for the output projection is stored too (warp_store_q8r).
 extern "C" __global__ void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                             float* state, float* out, int n, int nk, int nv, int dk, int dv,
-                                            int q_stride, int k_stride, int v_stride) { KERNEL_START();
+                                            int q_stride, int k_stride, int v_stride, const float* norm_w,
+                                            const float* z, int gate_act, float eps, unsigned char* xq, float* xs) { KERNEL_START();
     __shared__ float qs[GDR_MAX_DK], ks[GDR_MAX_DK];
     __shared__ float norms[2][GDR_MAX_WARPS];
-    __shared__ float part[2][GDR_MAX_WARPS][32];
-    const int h = blockIdx.x, lane = threadIdx.x, w = threadIdx.y, warps = blockDim.y;
-    const int b = blockIdx.y * 32 + lane;
+    __shared__ float part[2][GDR_MAX_TILES][GDR_MAX_WARPS][32];
+    __shared__ float tile_ss[GDR_MAX_TILES];
+    const int warps = (dk + 31) / 32;
+    const int h = blockIdx.x, lane = threadIdx.x, w = threadIdx.y % warps, tile = threadIdx.y / warps;
+    const int tiles = blockDim.y / warps;
+    const int b = (blockIdx.y * tiles + tile) * 32 + lane;
     const int kh = h / (nv / nk);
     const int a0 = 32 * w;
     const bool active = b < dv;
@@ -31,18 +45,21 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
 #pragma unroll
     for (int r = 0; r < 32; r++) S[r] = (a0 + r < dk && active) ? st[(u64)(a0 + r) * dv + b] : 0.0f;
     for (int t = 0; t < n; t++) {
-        // Lane r of warp w brings row a0 + r of q and k, and its share of their norms.
-        const int a = a0 + lane;
-        const float qa = a < dk ? q[(u64)t * q_stride + (u64)kh * dk + a] : 0.0f;
-        const float ka = a < dk ? k[(u64)t * k_stride + (u64)kh * dk + a] : 0.0f;
-        if (a < dk) {
-            qs[a] = qa;
-            ks[a] = ka;
-        }
-        const float qq_w = warp_sum(qa * qa), kk_w = warp_sum(ka * ka);
-        if (lane == 0) {
-            norms[0][w] = qq_w;
-            norms[1][w] = kk_w;
+        // Lane r of the first tile's warp w brings row a0 + r of q and k, and its share of
+        // their norms.
+        if (tile == 0) {
+            const int a = a0 + lane;
+            const float qa = a < dk ? q[(u64)t * q_stride + (u64)kh * dk + a] : 0.0f;
+            const float ka = a < dk ? k[(u64)t * k_stride + (u64)kh * dk + a] : 0.0f;
+            if (a < dk) {
+                qs[a] = qa;
+                ks[a] = ka;
+            }
+            const float qq_w = warp_sum(qa * qa), kk_w = warp_sum(ka * ka);
+            if (lane == 0) {
+                norms[0][w] = qq_w;
+                norms[1][w] = kk_w;
+            }
         }
         __syncthreads();
         float qq = 0.0f, kk = 0.0f;
@@ -62,10 +79,10 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
                 kv_part += (ks[a0 + r] * kinv) * S[r];
             }
         }
-        part[0][w][lane] = kv_part;
+        part[0][tile][w][lane] = kv_part;
         __syncthreads();
         float kv_mem = 0.0f;
-        for (int i = 0; i < warps; i++) kv_mem += part[0][i][lane];
+        for (int i = 0; i < warps; i++) kv_mem += part[0][tile][i][lane];
         const float vb = active ? v[(u64)t * v_stride + (u64)h * dv + b] : 0.0f;
         const float delta = (vb - kv_mem) * bt;
         float o_part = 0.0f;
@@ -76,14 +93,34 @@ extern "C" __global__ void gated_delta_rule(const float* q, const float* k, cons
                 o_part += (qs[a0 + r] * qinv * scale) * S[r];
             }
         }
-        part[1][w][lane] = o_part;
+        part[1][tile][w][lane] = o_part;
         __syncthreads();
-        if (w == 0 && active) {
-            float o = 0.0f;
-            for (int i = 0; i < warps; i++) o += part[1][i][lane];
-            out[((u64)t * nv + h) * dv + b] = o;
+        const u64 o_at = ((u64)t * nv + h) * dv + b;
+        float o = 0.0f;
+        if (w == 0) {
+            for (int i = 0; i < warps; i++) o += part[1][tile][i][lane];
+            if (!norm_w && active) out[o_at] = o;
+            if (norm_w) {
+                const float ss = warp_sum(active ? o * o : 0.0f);
+                if (lane == 0) tile_ss[tile] = ss;
+            }
         }
-        // qs, ks and the partials are rewritten by the next token.
+        if (norm_w) {
+            __syncthreads();
+            if (w == 0) {
+                float ss = 0.0f;
+                for (int i = 0; i < tiles; i++) ss += tile_ss[i];
+                const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+                float r = 0.0f;
+                if (active) {
+                    const float zb = z[o_at];
+                    r = o * inv * norm_w[b] * (gate_act ? sigmoid_f(zb) : silu_f(zb));
+                    out[o_at] = r;
+                }
+                if (xq) warp_store_q8r(r, (u32)((o_at - lane) >> 5), nv * dv, xq, xs);
+            }
+        }
+        // qs, ks, the partials and tile_ss are rewritten by the next token.
         __syncthreads();
     }
     if (active) {

@@ -4,7 +4,8 @@
 # and the bench under VAR=value, as $OUT/<model>-<format>.json and <model>-<format>-<VAR>.json
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
 # ($OUT/qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
-# 27B NVFP4 decode kernels into $OUT/ncu-detail.txt. Logs: $OUT/logs.tgz.
+# 27B NVFP4 decode kernels into $OUT/ncu-detail.txt; NCU_DECODE ("name:model:format …") one
+# decode step's kernels of each under ncu into $OUT/<name>.json. Logs: $OUT/logs.tgz.
 source tools/gpu_box/common.sh
 for t in $TESTS; do
   step "$t" 150 ".gpu/tests/$t" --test-threads=1
@@ -24,5 +25,9 @@ if [ -n "$BASE_FN" ]; then
   xz -dc .gpu-base/capy-flash.xz > /tmp/capy-base && chmod +x /tmp/capy-base
   bench qwen3.8-flash-next-iq3_s-base /tmp/capy-base qwen3.8-flash-next iq3_s
 fi
+for profile in $NCU_DECODE; do
+  name=${profile%%:*} rest=${profile#*:}
+  ncu_decode_profile "$name" --synthetic "${rest%%:*}" --quant "${rest#*:}"
+done
 [ -z "$NCU_KERNELS" ] || ncu_detail "$NCU_KERNELS" "${NCU_LAUNCHES:-8}"
 finish

@@ -110,6 +110,14 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Whether [`Sampler::sample`] is a plain argmax of the model's logits (no bias, no
+    /// penalty), so that the model may pick on its device ([`crate::model::CausalLm::forward_greedy`]).
+    pub fn is_plain_greedy(&self) -> bool {
+        (self.temperature <= 0.0 || self.top_k == 1)
+            && self.logit_bias.is_empty()
+            && !self.has_penalties()
+    }
+
     fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0

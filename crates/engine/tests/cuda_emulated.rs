@@ -153,6 +153,8 @@ driver!(
     ["kernels/attention.cu", "kernels/qsa.cu"]
 );
 
+driver!(sampling_driver, "sampling", ["kernels/sampling.cu"]);
+
 driver!(
     conversions_driver,
     "conversions",
@@ -208,7 +210,7 @@ fn check_delta_rule(n: usize, s: DeltaRuleShape, workspace_bytes: usize, min_seg
     run_driver(
         exe,
         &args,
-        2,
+        4,
         &format!("the emulated delta rule for n={n} {s:?} ({plan:?})"),
     );
 }
@@ -386,7 +388,8 @@ fn qsa_attention_over_token_lists_matches_the_softmax_reference() {
 fn decode_attention_matches_the_causal_softmax_reference() {
     // The 27B's full-attention layers (24 query heads on 4 KV heads of 256: 6 a block) over
     // splits of 64 keys, with the last split partial; a group of 8 (two blocks a KV head, the
-    // second with 2 heads); and two query rows (speculative or batched decode: causal).
+    // second with 2 heads); and two query rows (speculative or batched decode: causal). Each
+    // also with the output gate in the combine, and one row's int8 copy.
     let Some(exe) = attention_driver() else {
         return;
     };
@@ -398,7 +401,7 @@ fn decode_attention_matches_the_causal_softmax_reference() {
         run_driver(
             exe,
             &[rows, past, heads, kv_heads, d, split, 13],
-            1,
+            if rows == 1 { 3 } else { 2 },
             &format!("the emulated decode attention ({rows} rows after {past}, {heads}/{kv_heads} heads of {d})"),
         );
     }
@@ -446,6 +449,29 @@ fn qsa_token_masks_restrict_the_softmax_to_the_listed_tokens() {
             &[rows, past, ratio, topk, 5],
             2,
             &format!("the emulated QSA token mask ({rows} queries after {past}, blocks of {ratio}, top {topk})"),
+        );
+    }
+}
+
+#[test]
+fn device_argmax_picks_as_the_host_does() {
+    // Parts of the backend's size (ARGMAX_CHUNK, the last one partial), limited to fewer ids
+    // than the row holds and not; a row shorter than one part; parts smaller than a block.
+    // (Ten parts, not the vocabulary's 122: the emulator runs an OS thread per CUDA thread.)
+    let Some(exe) = sampling_driver() else {
+        return;
+    };
+    for (cols, limit, chunk) in [
+        (20_000, 19_990, 2048),
+        (20_000, 20_000, 2048),
+        (1000, 999, 2048),
+        (3000, 2900, 100),
+    ] {
+        run_driver(
+            exe,
+            &[cols, limit, chunk, 5],
+            5,
+            &format!("the emulated argmax ({limit} of {cols} values, parts of {chunk})"),
         );
     }
 }

@@ -12,8 +12,10 @@
 use capy_engine::backend::cpu::{CpuBackend, CpuTensor};
 use capy_engine::backend::cuda::CudaBackend;
 use capy_engine::backend::{
-    attention_inputs_composed, AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale,
+    argmax_rows_on_host, attention_inputs_composed, AttentionShape, Backend, DeltaRuleMode,
+    DeltaRuleShape, NormScale,
 };
+use capy_engine::config::GateActivation;
 use capy_engine::tensor::{Bytes, DType, HostTensor};
 
 const ATOL: f32 = 1e-4;
@@ -1074,7 +1076,41 @@ fn producers_int8_copy_equals_quantizing_in_the_matvec() {
         &want,
         &m6144,
     );
-    // The attention output gate and SwiGLU.
+    // The same norm fused into the delta rule (the 27B's GDN shape, one decode row).
+    let shape = DeltaRuleShape {
+        num_k_heads: 16,
+        num_v_heads: 48,
+        k_head_dim: 128,
+        v_head_dim: 128,
+    };
+    let qkv = r.vec(2 * 2048 + 6144, 1.0);
+    let (decay, beta) = (vec![-0.1f32; 48], vec![0.5f32; 48]);
+    let init = r.vec(48 * 128 * 128, 0.5);
+    let ((qc, qf), (dc, df), (bc, bf)) = (
+        pair(&f, 1, qkv.len(), &qkv),
+        pair(&f, 1, 48, &decay),
+        pair(&f, 1, 48, &beta),
+    );
+    let (mut sc, mut sf) = pair(&f, 48 * 128, 128, &init);
+    let gate = GateActivation::Silu;
+    let want = c.gated_delta_rule_normed(&qc, &dc, &bc, &mut sc, shape, &zc, &w, 1e-6, gate);
+    check(
+        "gated_delta_rule_normed 48x128",
+        &f.gated_delta_rule_normed(&qf, &df, &bf, &mut sf, shape, &zf, &wf, 1e-6, gate),
+        &want.data,
+        &m6144,
+    );
+    // The attention output gate, alone and inside the decode attention's combine.
+    let s = attention_shape(24, 4, 256);
+    let (kv, q) = (r.vec(301 * 1024, 1.0), r.vec(6144, 1.0));
+    let ((kc, kf), (qc, qf)) = (pair(&f, 301, 1024, &kv), pair(&f, 1, 6144, &q));
+    let want = c.attention_gated(&qc, &kc, &kc, 300, s, &zc).data;
+    check(
+        "attention_gated 24x256",
+        &f.attention_gated(&qf, &kf, &kf, 300, s, &zf),
+        &want,
+        &m6144,
+    );
     let want = c.sigmoid_gate(&xc, &zc).data;
     check(
         "sigmoid_gate 6144",
@@ -1090,6 +1126,173 @@ fn producers_int8_copy_equals_quantizing_in_the_matvec() {
         &f.silu_mul_halves(&gf),
         &want,
         &m17408,
+    );
+}
+
+/// The decode tails fused into the kernels before them, against the same backend's plain ops
+/// and the CPU: the GDN output norm inside the recurrent delta rule (both gate activations, the
+/// 27B's heads and heads of 40 value columns, state carried over steps), and the attention's
+/// output gate inside its combine (one and two query rows).
+#[test]
+fn fused_decode_tails_match_the_plain_ops_and_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(41);
+    for (shape, gate) in [
+        (
+            DeltaRuleShape {
+                num_k_heads: 16,
+                num_v_heads: 48,
+                k_head_dim: 128,
+                v_head_dim: 128,
+            },
+            GateActivation::Silu,
+        ),
+        (
+            DeltaRuleShape {
+                num_k_heads: 1,
+                num_v_heads: 3,
+                k_head_dim: 16,
+                v_head_dim: 40,
+            },
+            GateActivation::Sigmoid,
+        ),
+    ] {
+        let (kd, vd) = (
+            shape.num_k_heads * shape.k_head_dim,
+            shape.num_v_heads * shape.v_head_dim,
+        );
+        let nv = shape.num_v_heads;
+        let init = r.vec(nv * shape.k_head_dim * shape.v_head_dim, 0.5);
+        let (mut sc, mut sg) = pair(&g, nv * shape.k_head_dim, shape.v_head_dim, &init);
+        let mut sg_plain = g.from_host(nv * shape.k_head_dim, shape.v_head_dim, &init);
+        let w = r.vec(shape.v_head_dim, 1.0);
+        let wg = g.vector(&w).unwrap();
+        for step in 0..3 {
+            let qkv = r.vec(2 * kd + vd, 1.0);
+            let z = r.vec(vd, 2.0);
+            let decay: Vec<f32> = r.vec(nv, 1.0).iter().map(|x| -x.abs()).collect();
+            let beta: Vec<f32> = r.vec(nv, 1.0).iter().map(|x| x.abs()).collect();
+            let (qc, qg) = pair(&g, 1, 2 * kd + vd, &qkv);
+            let (zc, zg) = pair(&g, 1, vd, &z);
+            let (dc, dg) = pair(&g, 1, nv, &decay);
+            let (bc, bg) = pair(&g, 1, nv, &beta);
+            let want =
+                c.gated_delta_rule_normed(&qc, &dc, &bc, &mut sc, shape, &zc, &w, 1e-6, gate);
+            g.set_fused_tails(true);
+            let fused =
+                g.gated_delta_rule_normed(&qg, &dg, &bg, &mut sg, shape, &zg, &wg, 1e-6, gate);
+            g.set_fused_tails(false);
+            let plain = g.gated_delta_rule_normed(
+                &qg,
+                &dg,
+                &bg,
+                &mut sg_plain,
+                shape,
+                &zg,
+                &wg,
+                1e-6,
+                gate,
+            );
+            g.set_fused_tails(true);
+            let what = format!(
+                "normed delta rule {nv}x{}, {gate:?}, step {step}",
+                shape.v_head_dim
+            );
+            assert_close(&g.to_host(&fused), &want.data, &what);
+            assert_close(
+                &g.to_host(&plain),
+                &want.data,
+                &format!("{what} (plain ops)"),
+            );
+            assert_close(&g.to_host(&sg), &sc.data, &format!("{what}: state"));
+            assert_eq!(
+                g.to_host(&sg),
+                g.to_host(&sg_plain),
+                "{what}: fused and plain states"
+            );
+        }
+    }
+    let s = attention_shape(24, 4, 256);
+    for (rows, past) in [(1, 300), (2, 77)] {
+        let total = past + rows;
+        let q = r.vec(rows * 24 * 256, 1.0);
+        let k = r.vec(total * 4 * 256, 1.0);
+        let v = r.vec(total * 4 * 256, 1.0);
+        let gate = r.vec(rows * 24 * 256, 3.0);
+        let ((qc, qg), (kc, kg), (vc, vg)) = (
+            pair(&g, rows, 24 * 256, &q),
+            pair(&g, total, 4 * 256, &k),
+            pair(&g, total, 4 * 256, &v),
+        );
+        let (gc, gg) = pair(&g, rows, 24 * 256, &gate);
+        let want = c.attention_gated(&qc, &kc, &vc, past, s, &gc).data;
+        let fused = g.to_host(&g.attention_gated(&qg, &kg, &vg, past, s, &gg));
+        g.set_fused_tails(false);
+        let plain = g.to_host(&g.attention_gated(&qg, &kg, &vg, past, s, &gg));
+        g.set_fused_tails(true);
+        assert_close(
+            &fused,
+            &want,
+            &format!("gated attention, {rows} rows after {past}"),
+        );
+        assert_close(
+            &plain,
+            &want,
+            &format!("gated attention (plain ops), {rows} rows"),
+        );
+    }
+}
+
+/// Greedy picks on the device equal the host's (`sampling::argmax` on the read-back rows):
+/// the 27B's vocabulary with its maximum planted twice (the first wins), limited below the
+/// row's end with a larger value past the limit, a row of NaN and −∞ with one finite value,
+/// a row with no candidate at all, and −0 against +0.
+#[test]
+fn device_argmax_matches_the_host() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng(43);
+    let cols = 248_320;
+    let mut x = r.vec(4 * cols, 20.0);
+    x[17] = 30.0;
+    x[200_000] = 30.0;
+    let row1 = &mut x[cols..2 * cols];
+    row1[248_100] = 99.0; // past the limit below
+    row1[248_000] = 31.0;
+    let row2 = &mut x[2 * cols..3 * cols];
+    for (i, v) in row2.iter_mut().enumerate() {
+        *v = if i % 2 == 0 {
+            f32::NAN
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    row2[123_457] = -5.0;
+    let row3 = &mut x[3 * cols..];
+    for (i, v) in row3.iter_mut().enumerate() {
+        *v = if i % 3 == 0 {
+            f32::NAN
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    let xg = g.from_host(4, cols, &x);
+    for limit in [cols, 248_077] {
+        let host = argmax_rows_on_host(&g, &xg, limit);
+        let device = g.argmax_rows(&xg, limit);
+        println!("limit {limit}: host {host:?}, device {device:?}");
+        assert_eq!(device, host, "device against host picks, limit {limit}");
+    }
+    assert_eq!(
+        g.argmax_rows(&xg, 248_077),
+        vec![17, 248_000, 123_457, 0],
+        "the expected picks"
+    );
+    let signed_zeros = g.from_host(1, 3, &[f32::NEG_INFINITY, -0.0, 0.0]);
+    assert_eq!(
+        g.argmax_rows(&signed_zeros, 3),
+        vec![1],
+        "−0 and +0 tie: the first wins"
     );
 }
 

@@ -178,6 +178,18 @@ fn fixtures_on_the_gpu_match_reference() {
                 "{} prompt {i}: greedy tokens differ from transformers",
                 e.fixture
             );
+            // The same through the greedy pass: the tokens picked on the device.
+            let picked = model::greedy_continuations(
+                exact.as_mut(),
+                std::slice::from_ref(&p.token_ids),
+                p.greedy_new_tokens.len(),
+            )
+            .unwrap();
+            assert_eq!(
+                picked[0], p.greedy_new_tokens,
+                "{} prompt {i}: tokens picked on the device differ from transformers",
+                e.fixture
+            );
             let worst_fast = max_diff(&run(fast.as_mut(), &p.token_ids, p.token_ids.len()), &want);
             let (fast_tokens, _) = greedy(fast.as_mut(), &p.token_ids, p.greedy_new_tokens.len());
             let agree = fast_tokens

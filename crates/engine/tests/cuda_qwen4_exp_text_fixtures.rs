@@ -11,7 +11,7 @@
 use capy_engine::backend::cuda::CudaBackend;
 use capy_engine::checkpoint::Checkpoint;
 use capy_engine::model::qwen4_exp_text::Qwen4ExpText;
-use capy_engine::model::{BatchItem, CausalLm, LogitsWanted, SeqId};
+use capy_engine::model::{self, BatchItem, CausalLm, LogitsWanted, SeqId};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -224,6 +224,11 @@ fn qwen4_exp_text_fixtures_on_the_gpu_match_reference() {
         assert_eq!(
             tokens, fx.greedy,
             "{name}: greedy continuations on the GPU differ from transformers' generate()"
+        );
+        assert_eq!(
+            model::greedy_continuations(&mut exact, &fx.prompts, steps).unwrap(),
+            fx.greedy,
+            "{name}: tokens picked on the device differ from transformers' generate()"
         );
         drop(exact);
 

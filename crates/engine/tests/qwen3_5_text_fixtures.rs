@@ -426,6 +426,39 @@ fn greedy_continuation_matches_reference() {
     }
 }
 
+/// The greedy pass (`forward_greedy`: the model picks, no logits returned) continues every
+/// prompt as transformers does, all prompts decoded in one batch; a batch item that asks for
+/// every position's logits is refused by it.
+#[test]
+fn greedy_pass_continues_as_the_reference() {
+    for fx in fixtures() {
+        let mut m = open(&fx.dir);
+        let prompts: Vec<Vec<u32>> = fx.prompts.iter().map(|p| p.ids.clone()).collect();
+        let steps = fx.prompts.iter().map(|p| p.greedy.len()).min().unwrap();
+        let got = model::greedy_continuations(m.as_mut(), &prompts, steps).unwrap();
+        for (i, (g, p)) in got.iter().zip(&fx.prompts).enumerate() {
+            assert_eq!(
+                g[..],
+                p.greedy[..steps],
+                "{} prompt {i}: greedy pass",
+                fx.name
+            );
+        }
+        let seq = m.new_sequence();
+        let err = m
+            .forward_greedy(
+                &[BatchItem {
+                    seq,
+                    tokens: &prompts[0],
+                    logits: LogitsWanted::All,
+                }],
+                fx.vocab,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("every position's logits"), "{err}");
+    }
+}
+
 #[test]
 fn snapshot_and_restore_mid_sequence_give_the_same_next_logits() {
     for fx in fixtures() {

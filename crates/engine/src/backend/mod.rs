@@ -14,6 +14,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::config::GateActivation;
 use crate::tensor::HostTensor;
 use anyhow::Result;
 use std::ops::Range;
@@ -43,6 +44,39 @@ pub struct DeltaRuleShape {
     pub num_v_heads: usize,
     pub k_head_dim: usize,
     pub v_head_dim: usize,
+}
+
+/// [`Backend::argmax_rows`] on the host: the rows read back, each scanned by
+/// [`crate::sampling::argmax`].
+pub fn argmax_rows_on_host<B: Backend + ?Sized>(b: &B, x: &B::Act, limit: usize) -> Vec<u32> {
+    let (rows, cols) = b.shape(x);
+    if cols == 0 {
+        return vec![0; rows];
+    }
+    b.to_host(x)
+        .chunks(cols)
+        .map(|row| crate::sampling::argmax(&row[..limit.min(cols)]))
+        .collect()
+}
+
+/// The GDN output norm per value head of `v_head_dim` columns: `rms_norm(core) · w · act(z)`,
+/// with the gate's activation silu ([`Backend::rms_norm_gated`]) or sigmoid (a plain
+/// [`Backend::rms_norm`], then [`Backend::sigmoid_gate`]).
+pub fn gdn_output_norm<B: Backend + ?Sized>(
+    b: &B,
+    core: &B::Act,
+    z: &B::Act,
+    w: &B::Vector,
+    eps: f32,
+    v_head_dim: usize,
+    gate: GateActivation,
+) -> B::Act {
+    match gate {
+        GateActivation::Silu => b.rms_norm_gated(core, z, w, eps, v_head_dim),
+        GateActivation::Sigmoid => {
+            b.sigmoid_gate(&b.rms_norm(core, w, eps, NormScale::Plain, v_head_dim), z)
+        }
+    }
 }
 
 /// [`Backend::attention_inputs`] from the plain ops: split the projection, norm and rotate q
@@ -193,6 +227,13 @@ pub trait Backend: Send + Sync + 'static {
         self.from_host(rows, cols, data)
     }
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
+    /// Each row's greedy pick among its first `limit` values: the first index of the largest
+    /// value above −∞, NaNs never winning, 0 where there is none ([`crate::sampling::argmax`]).
+    /// The default reads the rows back; a device backend picks on the device and reads back
+    /// one index a row instead of the vocabulary's logits.
+    fn argmax_rows(&self, x: &Self::Act, limit: usize) -> Vec<u32> {
+        argmax_rows_on_host(self, x, limit)
+    }
     /// Starts the work queued so far without waiting for it. A backend that records work
     /// before launching it (CUDA graphs) launches the recording here; call it before long
     /// host work that the device should overlap.
@@ -349,6 +390,20 @@ pub trait Backend: Send + Sync + 'static {
         past: usize,
         shape: AttentionShape,
     ) -> Self::Act;
+    /// [`Backend::attention`] with the gated attention's output gate applied:
+    /// `attention(q, k, v) · sigmoid(gate)`, `gate` shaped as the output. The default composes
+    /// the two; a backend may gate the values where it writes them.
+    fn attention_gated(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        past: usize,
+        shape: AttentionShape,
+        gate: &Self::Act,
+    ) -> Self::Act {
+        self.sigmoid_gate(&self.attention(q, k, v, past, shape), gate)
+    }
     /// Depthwise causal conv (kernel `K` = `weight.cols`) with SiLU over one sequence's rows;
     /// `state` `[K-1, channels]` holds the previous inputs and is updated.
     fn causal_conv1d_silu(
@@ -420,6 +475,28 @@ pub trait Backend: Send + Sync + 'static {
         let vd = shape.num_v_heads * shape.v_head_dim;
         let [q, k, v] = self.split_cols(qkv, [kd, kd, vd]);
         self.gated_delta_rule(&q, &k, &v, g, beta, state, shape, mode)
+    }
+
+    /// A decode row's GDN core and output norm: [`Backend::gated_delta_rule_packed`] in its
+    /// recurrent form, then [`gdn_output_norm`] with `z`, `w` and `gate`. The default
+    /// composes the two; a backend may norm the rule's output before writing it (a 27B decode
+    /// step runs this 48 times).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_normed(
+        &self,
+        qkv: &Self::Act,
+        g: &Self::Act,
+        beta: &Self::Act,
+        state: &mut Self::Act,
+        shape: DeltaRuleShape,
+        z: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        gate: GateActivation,
+    ) -> Self::Act {
+        let core =
+            self.gated_delta_rule_packed(qkv, g, beta, state, shape, DeltaRuleMode::Recurrent);
+        gdn_output_norm(self, &core, z, w, eps, shape.v_head_dim, gate)
     }
 
     // --- Flash-Next (qwen4_exp_text) ops ---

@@ -56,6 +56,42 @@ impl BatchLayout {
             .collect()
     }
 
+    /// The logits of the rows [`BatchLayout::logit_rows`] picked (`None` where no item wanted
+    /// any), read back and split per item as [`super::CausalLm::forward`] returns them.
+    pub fn logits_per_item<B: Backend>(
+        &self,
+        b: &B,
+        batch: &[BatchItem<'_>],
+        logits: Option<&B::Act>,
+        vocab: usize,
+    ) -> Vec<Vec<f32>> {
+        let host = logits.map(|l| b.to_host(l)).unwrap_or_default();
+        self.split_logits(batch, &host, vocab)
+    }
+
+    /// Each `Last` item's greedy token below `limit` from the rows
+    /// [`BatchLayout::logit_rows`] picked (picked by the backend, [`Backend::argmax_rows`]),
+    /// `None` for the others, as [`super::CausalLm::forward_greedy`] returns them.
+    pub fn greedy_per_item<B: Backend>(
+        &self,
+        b: &B,
+        batch: &[BatchItem<'_>],
+        logits: Option<&B::Act>,
+        limit: usize,
+    ) -> Vec<Option<u32>> {
+        let mut picks = logits
+            .map(|l| b.argmax_rows(l, limit))
+            .unwrap_or_default()
+            .into_iter();
+        batch
+            .iter()
+            .map(|item| match item.logits {
+                LogitsWanted::Last => picks.next(),
+                LogitsWanted::None | LogitsWanted::All => None,
+            })
+            .collect()
+    }
+
     /// Splits `logits` (the rows [`BatchLayout::logit_rows`] picked, `vocab` values each) per
     /// item: empty for `None`, one row for `Last`, every row for `All`.
     pub fn split_logits(

@@ -49,6 +49,60 @@ pub struct ModelInfo {
     pub backend: String,
 }
 
+/// Greedy continuations of `prompts`, `steps` tokens each: their sequences decoded together,
+/// one batch a step, through [`CausalLm::forward_greedy`] (the tokens picked where the model
+/// runs). The sequences are dropped after, also on error.
+pub fn greedy_continuations(
+    model: &mut dyn CausalLm,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> Result<Vec<Vec<u32>>> {
+    let seqs: Vec<SeqId> = prompts.iter().map(|_| model.new_sequence()).collect();
+    let vocab = model.info().vocab_size;
+    let mut out = vec![Vec::with_capacity(steps); prompts.len()];
+    let mut run = || -> Result<()> {
+        for step in 0..steps {
+            let last: Vec<[u32; 1]> = out
+                .iter()
+                .map(|t: &Vec<u32>| [t.last().copied().unwrap_or(0)])
+                .collect();
+            let items: Vec<BatchItem<'_>> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, &seq)| BatchItem {
+                    seq,
+                    tokens: if step == 0 { &prompts[i] } else { &last[i] },
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            let picks = model.forward_greedy(&items, vocab)?;
+            for (i, pick) in picks.into_iter().enumerate() {
+                out[i].push(pick.ok_or_else(|| {
+                    anyhow::anyhow!("the greedy pass picked no token for prompt {i}")
+                })?);
+            }
+        }
+        Ok(())
+    };
+    let result = run();
+    for seq in seqs {
+        model.drop_sequence(seq);
+    }
+    result.map(|()| out)
+}
+
+/// A greedy pass picks one token per item: an item that wants every position's logits is
+/// refused, naming it.
+pub fn check_greedy_batch(batch: &[BatchItem<'_>]) -> Result<()> {
+    match batch.iter().position(|b| b.logits == LogitsWanted::All) {
+        Some(i) => anyhow::bail!(
+            "batch item {i} asks for every position's logits, which a greedy pass does not \
+             return: use forward for scoring"
+        ),
+        None => Ok(()),
+    }
+}
+
 /// An opaque copy of one sequence's state, for the prefix cache and tiering.
 pub struct StateSnapshot {
     pub len: usize,
@@ -71,6 +125,26 @@ pub trait CausalLm: Send {
     /// Runs the batch; returns, per item, `[positions × vocab]` logits as asked
     /// (empty for [`LogitsWanted::None`], `vocab` values for `Last`, `n × vocab` for `All`).
     fn forward(&mut self, batch: &[BatchItem<'_>]) -> Result<Vec<Vec<f32>>>;
+    /// [`CausalLm::forward`] returning each item's greedy token below `limit` instead of its
+    /// logits (the first index of the largest of the first `limit` logits, as
+    /// [`crate::sampling::argmax`]; `limit` keeps out ids past the tokenizer's vocabulary):
+    /// `Some` for items that want `Last`, `None` for `None`; `All` is refused. A model on a
+    /// device picks there and reads back one index an item instead of the logits.
+    fn forward_greedy(
+        &mut self,
+        batch: &[BatchItem<'_>],
+        limit: usize,
+    ) -> Result<Vec<Option<u32>>> {
+        check_greedy_batch(batch)?;
+        Ok(self
+            .forward(batch)?
+            .iter()
+            .map(|logits| {
+                (!logits.is_empty())
+                    .then(|| crate::sampling::argmax(&logits[..limit.min(logits.len())]))
+            })
+            .collect())
+    }
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot>;
     fn restore(&mut self, seq: SeqId, snapshot: &StateSnapshot) -> Result<()>;
     /// A host-memory copy of the sequence's whole state (the prefix cache's RAM and disk tiers).

@@ -17,8 +17,8 @@ use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::mlp::Mlp;
 use super::layers::{tensor, text_prefix, vector};
 use super::{
-    BatchItem, CausalLm, LayerCheckpoint, ModelInfo, SeqCheckpoint, SeqId, SequenceTable,
-    StateSnapshot,
+    check_greedy_batch, BatchItem, CausalLm, LayerCheckpoint, ModelInfo, SeqCheckpoint, SeqId,
+    SequenceTable, StateSnapshot,
 };
 use crate::backend::{Backend, NormScale};
 use crate::checkpoint::Checkpoint;
@@ -207,56 +207,16 @@ impl<B: Backend> Qwen3_5Text<B> {
         SeqState { len: 0, layers }
     }
 
-    fn check_batch(&self, batch: &[BatchItem<'_>]) -> Result<()> {
-        for (i, item) in batch.iter().enumerate() {
-            let Some(state) = self.sequences.states.get(&item.seq) else {
-                bail!(
-                    "sequence {:?} does not exist (it was dropped or never created)",
-                    item.seq
-                );
-            };
-            if batch[..i].iter().any(|o| o.seq == item.seq) {
-                bail!("sequence {:?} appears twice in one batch", item.seq);
-            }
-            if item.tokens.is_empty() {
-                bail!("batch item for sequence {:?} has no tokens", item.seq);
-            }
-            super::check_token_ids(&self.config, item.tokens)?;
-            let total = state.len + item.tokens.len();
-            if total > self.info.max_context {
-                bail!(
-                    "sequence would hold {total} tokens; the model's context is {} tokens",
-                    self.info.max_context
-                );
-            }
-        }
-        Ok(())
-    }
-}
-
-impl<B: Backend> CausalLm for Qwen3_5Text<B> {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn new_sequence(&mut self) -> SeqId {
-        let s = self.empty_state();
-        self.sequences.insert(s)
-    }
-
-    fn drop_sequence(&mut self, seq: SeqId) {
-        self.sequences.states.remove(&seq);
-        self.checkpoints.remove(&seq);
-    }
-
-    fn sequence_len(&self, seq: SeqId) -> Option<usize> {
-        self.sequences.states.get(&seq).map(|s| s.len)
-    }
-
-    fn forward(&mut self, batch: &[BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+    /// One forward pass over `batch`; `read_out` turns the logits of the rows that want them
+    /// (on the backend; `None` when no item wants any) into what the caller returns.
+    fn pass<R: Default>(
+        &mut self,
+        batch: &[BatchItem<'_>],
+        read_out: impl FnOnce(&B, &BatchLayout, Option<&B::Act>) -> R,
+    ) -> Result<R> {
         self.check_batch(batch)?;
         if batch.is_empty() {
-            return Ok(vec![]);
+            return Ok(R::default());
         }
         let b = &self.backend;
         let mut states = self.sequences.take_batch(batch);
@@ -325,9 +285,7 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
         }
         // 3. final norm and lm_head on the rows that need logits
         let wanted = layout.logit_rows(b, &x, batch);
-        let logits = if wanted.is_empty() {
-            vec![]
-        } else {
+        let logits = (!wanted.is_empty()).then(|| {
             let hidden = b.rms_norm(
                 &b.cat_rows(&wanted),
                 &self.norm,
@@ -335,12 +293,76 @@ impl<B: Backend> CausalLm for Qwen3_5Text<B> {
                 NormScale::OnePlus,
                 hsz,
             );
-            b.to_host(&b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
-        };
-        // 4. hand states back, split logits per item
+            b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
+        });
+        // 4. hand states back, read the logits out per item
         self.sequences
             .put_back(batch, states, &layout, |st, n| st.len += n);
-        Ok(layout.split_logits(batch, &logits, self.info.vocab_size))
+        Ok(read_out(&self.backend, &layout, logits.as_ref()))
+    }
+
+    fn check_batch(&self, batch: &[BatchItem<'_>]) -> Result<()> {
+        for (i, item) in batch.iter().enumerate() {
+            let Some(state) = self.sequences.states.get(&item.seq) else {
+                bail!(
+                    "sequence {:?} does not exist (it was dropped or never created)",
+                    item.seq
+                );
+            };
+            if batch[..i].iter().any(|o| o.seq == item.seq) {
+                bail!("sequence {:?} appears twice in one batch", item.seq);
+            }
+            if item.tokens.is_empty() {
+                bail!("batch item for sequence {:?} has no tokens", item.seq);
+            }
+            super::check_token_ids(&self.config, item.tokens)?;
+            let total = state.len + item.tokens.len();
+            if total > self.info.max_context {
+                bail!(
+                    "sequence would hold {total} tokens; the model's context is {} tokens",
+                    self.info.max_context
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> CausalLm for Qwen3_5Text<B> {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_sequence(&mut self) -> SeqId {
+        let s = self.empty_state();
+        self.sequences.insert(s)
+    }
+
+    fn drop_sequence(&mut self, seq: SeqId) {
+        self.sequences.states.remove(&seq);
+        self.checkpoints.remove(&seq);
+    }
+
+    fn sequence_len(&self, seq: SeqId) -> Option<usize> {
+        self.sequences.states.get(&seq).map(|s| s.len)
+    }
+
+    fn forward(&mut self, batch: &[BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.info.vocab_size;
+        self.pass(batch, |b, layout, logits| {
+            layout.logits_per_item(b, batch, logits, vocab)
+        })
+    }
+
+    fn forward_greedy(
+        &mut self,
+        batch: &[BatchItem<'_>],
+        limit: usize,
+    ) -> Result<Vec<Option<u32>>> {
+        check_greedy_batch(batch)?;
+        self.pass(batch, |b, layout, logits| {
+            layout.greedy_per_item(b, batch, logits, limit)
+        })
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {

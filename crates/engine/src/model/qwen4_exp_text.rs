@@ -21,8 +21,8 @@ use super::layers::moe::{ExpertLoader, SparseMoe};
 use super::layers::ple::{Ple, PleState};
 use super::layers::{tensor, text_prefix, Span};
 use super::{
-    BatchItem, CausalLm, LayerCheckpoint, ModelInfo, SeqCheckpoint, SeqId, SequenceTable,
-    StateSnapshot,
+    check_greedy_batch, BatchItem, CausalLm, LayerCheckpoint, ModelInfo, SeqCheckpoint, SeqId,
+    SequenceTable, StateSnapshot,
 };
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
@@ -301,6 +301,56 @@ impl<B: Backend> Qwen4ExpText<B> {
         SeqState { len: 0, layers }
     }
 
+    /// One forward pass over `batch`; `read_out` turns the logits of the rows that want them
+    /// (on the backend; `None` when no item wants any) into what the caller returns.
+    fn pass<R: Default>(
+        &mut self,
+        batch: &[BatchItem<'_>],
+        read_out: impl FnOnce(&B, &BatchLayout, Option<&B::Act>) -> R,
+    ) -> Result<R> {
+        self.check_batch(batch)?;
+        if batch.is_empty() {
+            return Ok(R::default());
+        }
+        let b = &self.backend;
+        let mut states = self.sequences.take_batch(batch);
+        let layout = BatchLayout::new(batch, states.iter().map(|s| s.len));
+        let (spans, ids, positions) = (&layout.spans, &layout.ids, &layout.positions);
+        let (h, s) = (self.config.hidden_size, self.flash.hc_count);
+
+        // 1. token embeddings, copied into every stream
+        let emb = b.to_host(&b.embedding(&self.embed_tokens, ids));
+        let repeated: Vec<f32> = emb
+            .chunks_exact(h)
+            .flat_map(|row| (0..s).flat_map(move |_| row.iter().copied()))
+            .collect();
+        let mut streams = b.from_host(ids.len(), s * h, &repeated);
+        // 2. decoder layers
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut layer_states: Vec<&mut LayerState<B>> =
+                states.iter_mut().map(|st| &mut st.layers[li]).collect();
+            streams = layer.forward(
+                b,
+                streams,
+                ids,
+                positions,
+                &self.inv_freq,
+                spans,
+                &mut layer_states,
+            );
+        }
+        // 3. final mixer and lm_head on the rows that need logits
+        let wanted = layout.logit_rows(b, &streams, batch);
+        let logits = (!wanted.is_empty()).then(|| {
+            let (hidden, _) = self.final_mixer.read(b, &b.cat_rows(&wanted));
+            b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
+        });
+        // 4. hand states back, read the logits out per item
+        self.sequences
+            .put_back(batch, states, &layout, |st, n| st.len += n);
+        Ok(read_out(&self.backend, &layout, logits.as_ref()))
+    }
+
     fn check_batch(&self, batch: &[BatchItem<'_>]) -> Result<()> {
         for (i, item) in batch.iter().enumerate() {
             let Some(state) = self.sequences.states.get(&item.seq) else {
@@ -435,49 +485,21 @@ impl<B: Backend> CausalLm for Qwen4ExpText<B> {
     }
 
     fn forward(&mut self, batch: &[BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
-        self.check_batch(batch)?;
-        if batch.is_empty() {
-            return Ok(vec![]);
-        }
-        let b = &self.backend;
-        let mut states = self.sequences.take_batch(batch);
-        let layout = BatchLayout::new(batch, states.iter().map(|s| s.len));
-        let (spans, ids, positions) = (&layout.spans, &layout.ids, &layout.positions);
-        let (h, s) = (self.config.hidden_size, self.flash.hc_count);
+        let vocab = self.info.vocab_size;
+        self.pass(batch, |b, layout, logits| {
+            layout.logits_per_item(b, batch, logits, vocab)
+        })
+    }
 
-        // 1. token embeddings, copied into every stream
-        let emb = b.to_host(&b.embedding(&self.embed_tokens, ids));
-        let repeated: Vec<f32> = emb
-            .chunks_exact(h)
-            .flat_map(|row| (0..s).flat_map(move |_| row.iter().copied()))
-            .collect();
-        let mut streams = b.from_host(ids.len(), s * h, &repeated);
-        // 2. decoder layers
-        for (li, layer) in self.layers.iter().enumerate() {
-            let mut layer_states: Vec<&mut LayerState<B>> =
-                states.iter_mut().map(|st| &mut st.layers[li]).collect();
-            streams = layer.forward(
-                b,
-                streams,
-                ids,
-                positions,
-                &self.inv_freq,
-                spans,
-                &mut layer_states,
-            );
-        }
-        // 3. final mixer and lm_head on the rows that need logits
-        let wanted = layout.logit_rows(b, &streams, batch);
-        let logits = if wanted.is_empty() {
-            vec![]
-        } else {
-            let (hidden, _) = self.final_mixer.read(b, &b.cat_rows(&wanted));
-            b.to_host(&b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens)))
-        };
-        // 4. hand states back, split logits per item
-        self.sequences
-            .put_back(batch, states, &layout, |st, n| st.len += n);
-        Ok(layout.split_logits(batch, &logits, self.info.vocab_size))
+    fn forward_greedy(
+        &mut self,
+        batch: &[BatchItem<'_>],
+        limit: usize,
+    ) -> Result<Vec<Option<u32>>> {
+        check_greedy_batch(batch)?;
+        self.pass(batch, |b, layout, logits| {
+            layout.greedy_per_item(b, batch, logits, limit)
+        })
     }
 
     fn snapshot(&self, seq: SeqId) -> Result<StateSnapshot> {

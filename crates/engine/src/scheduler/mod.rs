@@ -747,8 +747,22 @@ fn run_loop(
                 }
             })
             .collect();
-        // 5. Run it, then sample for every item that asked for logits.
-        let result = model.forward(&batch);
+        // 5. Run it, then sample for every item that asked for logits: where every such item
+        //    samples greedily, the model picks the tokens (on its device) and returns no logits.
+        let greedy = plan.iter().all(|p| {
+            let a = &active[p.index];
+            let wants_logits = p.decode || p.end == a.prompt.len();
+            !wants_logits || a.sampler.params().is_plain_greedy()
+        });
+        let result: anyhow::Result<Vec<StepOutput>> = if greedy {
+            model
+                .forward_greedy(&batch, tokenizer.vocab_size())
+                .map(|picks| picks.into_iter().map(StepOutput::Greedy).collect())
+        } else {
+            model
+                .forward(&batch)
+                .map(|logits| logits.into_iter().map(StepOutput::Logits).collect())
+        };
         drop(batch);
         metrics.forward_steps_total.fetch_add(1, Ordering::Relaxed);
         match result {
@@ -770,7 +784,7 @@ fn run_loop(
                         active[p.index].fail(msg.clone(), metrics);
                     }
                 }
-                for (p, logits) in plan.iter().zip(outputs.iter_mut()) {
+                for (p, output) in plan.iter().zip(outputs.iter_mut()) {
                     let a = &mut active[p.index];
                     if a.done {
                         continue;
@@ -789,6 +803,22 @@ fn run_loop(
                             continue;
                         }
                     }
+                    let logits = match output {
+                        StepOutput::Logits(logits) => logits,
+                        &mut StepOutput::Greedy(Some(t)) => {
+                            let t = a.forced.pop_next().unwrap_or(t);
+                            a.on_token(t, config.max_context, metrics);
+                            continue;
+                        }
+                        StepOutput::Greedy(None) => {
+                            a.fail(
+                                "the model picked no token for a sequence that asked for one"
+                                    .into(),
+                                metrics,
+                            );
+                            continue;
+                        }
+                    };
                     if logits.len() < model_vocab(&*model) {
                         a.fail(
                             format!(
@@ -801,7 +831,7 @@ fn run_loop(
                         continue;
                     }
                     // Ids the tokenizer cannot decode (the padding rows of an embedding table)
-                    // are never sampled.
+                    // are never sampled (a greedy pass is limited to the same ids).
                     if let Some(pad) = logits.get_mut(tokenizer.vocab_size()..) {
                         pad.fill(f32::NEG_INFINITY);
                     }
@@ -846,6 +876,12 @@ fn shared_capture_at(at: usize, block: usize, every: usize) -> bool {
         return false;
     }
     at <= REGULAR_CAPTURE_TOKENS || (blocks / every).is_power_of_two()
+}
+
+/// What a step's pass returned for one item: its logits, or (a greedy pass) its token.
+enum StepOutput {
+    Logits(Vec<f32>),
+    Greedy(Option<u32>),
 }
 
 /// One sequence's part of a step.

@@ -1,7 +1,8 @@
 // kernels/delta_rule.cu on the CPU emulator (emu.hpp), against a double-precision reference of
 // the gated delta rule: the chunked prefill kernels (gdr_chunk_prep + gdr_chunk_scan, launched
 // segment by segment with the host's launch plan, passed on the command line by
-// tests/cuda_emulated.rs) and the recurrent decode kernel (gated_delta_rule).
+// tests/cuda_emulated.rs) and the recurrent decode kernel (gated_delta_rule), plain and with the
+// GDN output norm (both gate activations).
 //
 // usage: delta_rule n nk nv dk dv seg_chunks per_chunk prep_smem scan_smem tile seed [dump]
 // Prints the largest errors; exits 1 where one is over the tolerance. With `dump`, writes the
@@ -119,10 +120,39 @@ int main(int argc, char** argv) {
     const int nr = std::min(n, 24);
     reference(nr);
     std::copy(state0.get(), state0.get() + (size_t)nv * dk * dv, state.get());
-    emu::launch({(unsigned)nv, (unsigned)(dv + 31) / 32, 1}, {32, (unsigned)(dk + 31) / 32, 1}, 0, [&] {
+    const unsigned warps = (unsigned)(dk + 31) / 32, tiles = (unsigned)(dv + 31) / 32;
+    emu::launch({(unsigned)nv, tiles, 1}, {32, warps, 1}, 0, [&] {
         gated_delta_rule(q.get(), k.get(), v.get(), g.get(), beta.get(), state.get(), out.get(), nr, nk, nv, dk, dv,
-                         nk * dk, nk * dk, nv * dv);
+                         nk * dk, nk * dk, nv * dv, nullptr, nullptr, 0, 0.0f, nullptr, nullptr);
     });
     ok &= compare("recurrent (gated_delta_rule)", out.get(), state.get());
+
+    // The normed form (Backend::gated_delta_rule_normed): a block holds a head's every value
+    // tile, and each output row leaves as rms_norm(o) · w · act(z), for both activations; the
+    // reference norms the double-precision output the same way.
+    auto w = filled((size_t)dv, u, 1.0f), z = filled((size_t)nr * nv * dv, u, 2.0f);
+    const float eps = 1e-6f;
+    const std::vector<double> plain_out = ref_out;
+    for (int act = 0; act < 2; act++) {
+        ref_out = plain_out;
+        for (int t = 0; t < nr; t++)
+            for (int h = 0; h < nv; h++) {
+                double* o = &ref_out[((size_t)t * nv + h) * dv];
+                double ss = 0;
+                for (int c = 0; c < dv; c++) ss += o[c] * o[c];
+                const double inv = 1.0 / std::sqrt(ss / dv + eps);
+                for (int c = 0; c < dv; c++) {
+                    const double zc = z[((size_t)t * nv + h) * dv + c];
+                    const double gate = act ? 1.0 / (1.0 + std::exp(-zc)) : zc / (1.0 + std::exp(-zc));
+                    o[c] = o[c] * inv * w[c] * gate;
+                }
+            }
+        std::copy(state0.get(), state0.get() + (size_t)nv * dk * dv, state.get());
+        emu::launch({(unsigned)nv, 1, 1}, {32, warps * tiles, 1}, 0, [&] {
+            gated_delta_rule(q.get(), k.get(), v.get(), g.get(), beta.get(), state.get(), out.get(), nr, nk, nv, dk,
+                             dv, nk * dk, nk * dk, nv * dv, w.get(), z.get(), act, eps, nullptr, nullptr);
+        });
+        ok &= compare(act ? "recurrent, normed, sigmoid gate" : "recurrent, normed, silu gate", out.get(), state.get());
+    }
     return ok ? 0 : 1;
 }

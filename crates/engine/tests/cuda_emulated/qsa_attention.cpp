@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
                        kv_heads, d, scale, split, cap);
     });
     emu::launch({(unsigned)heads, (unsigned)rows, 1}, {256, 1, 1}, 0,
-                [&] { attn_combine(part_o.get(), part_ml.get(), out.get(), heads, d, splits); });
+                [&] { attn_combine(part_o.get(), part_ml.get(), out.get(), heads, d, splits, nullptr, nullptr, nullptr); });
 
     double err = 0, mx = 0;
     for (int i = 0; i < rows; i++)

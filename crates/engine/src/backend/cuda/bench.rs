@@ -433,13 +433,14 @@ pub(crate) fn timed_prefill(
     Ok((logits, seconds))
 }
 
-/// Times `steps` greedy single-token decode steps of `seq`, fed from `next` (left at the
-/// token to feed after them): seconds per step and seconds in all.
 /// Each step's time in ms, to a µs (the spread the median hides).
 pub(crate) fn step_ms(step_s: &[f64]) -> Vec<f64> {
     step_s.iter().map(|s| (s * 1e6).round() / 1e3).collect()
 }
 
+/// Times `steps` greedy single-token decode steps of `seq`, fed from `next` (left at the
+/// token to feed after them): seconds per step and seconds in all. Each step is the server's
+/// greedy pass ([`CausalLm::forward_greedy`]): the token is picked where the logits are.
 pub(crate) fn greedy_steps(
     model: &mut dyn CausalLm,
     seq: crate::model::SeqId,
@@ -450,13 +451,16 @@ pub(crate) fn greedy_steps(
     let t_all = Instant::now();
     for _ in 0..steps {
         let t = Instant::now();
-        let out = model.forward(&[BatchItem {
-            seq,
-            tokens: &[*next],
-            logits: LogitsWanted::Last,
-        }])?;
+        let picks = model.forward_greedy(
+            &[BatchItem {
+                seq,
+                tokens: &[*next],
+                logits: LogitsWanted::Last,
+            }],
+            usize::MAX,
+        )?;
         step_s.push(t.elapsed().as_secs_f64());
-        *next = argmax(&out[0]);
+        *next = picks[0].context("the greedy pass picked no token")?;
     }
     Ok((step_s, t_all.elapsed().as_secs_f64()))
 }

@@ -508,7 +508,8 @@ impl CudaBackend {
                 q.row_ptr(r0), k.ptr(), v.ptr(), scratch.tokens.ptr, scratch.counts.ptr, part_o.ptr, part_ml.ptr,
                 s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, s.scale, QSA_SPLIT as i32, cap as i32);
             launch!(self, "attn_combine", (s.num_heads as u32, rows as u32, 1), (256, 1, 1), 0;
-                part_o.ptr, part_ml.ptr, out.row_ptr(r0), s.num_heads as i32, s.head_dim as i32, splits as i32);
+                part_o.ptr, part_ml.ptr, out.row_ptr(r0), s.num_heads as i32, s.head_dim as i32, splits as i32,
+                0u64, 0u64, 0u64);
         }
         out
     }

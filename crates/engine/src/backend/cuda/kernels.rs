@@ -111,7 +111,7 @@ pub fn sources() -> Vec<KernelSource> {
         include_str!("../../../../../kernels/quant_matvec.cu"),
         include_str!("../../../../../kernels/moe_quant.cu")
     );
-    let files: [(&str, &str, Vec<String>); 7] = [
+    let files: [(&str, &str, Vec<String>); 8] = [
         (
             "elementwise",
             include_str!("../../../../../kernels/elementwise.cu"),
@@ -177,6 +177,13 @@ pub fn sources() -> Vec<KernelSource> {
                 .to_vec(),
         ),
         ("quant_matvec", &quant_body, quant_functions()),
+        (
+            "sampling",
+            include_str!("../../../../../kernels/sampling.cu"),
+            ["argmax_partial", "argmax_final"]
+                .map(String::from)
+                .to_vec(),
+        ),
         (
             "mailbox",
             include_str!("../../../../../kernels/mailbox.cu"),

@@ -26,8 +26,10 @@ mod staging;
 
 use super::cpu::experts::format::RowFormat;
 use super::{
-    attention_inputs_composed, AttentionShape, Backend, DeltaRuleMode, DeltaRuleShape, NormScale,
+    argmax_rows_on_host, attention_inputs_composed, gdn_output_norm, AttentionShape, Backend,
+    DeltaRuleMode, DeltaRuleShape, NormScale,
 };
+use crate::config::GateActivation;
 use crate::tensor::{DType, HostTensor};
 use anyhow::{bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -242,12 +244,17 @@ fn records_kernel_of(code: u64) -> RecordsKernel {
 /// `CAPY_PDL=0` launches every kernel after its predecessor has finished (for comparisons).
 /// `CAPY_NORM_SPLIT=0` norms every decode row with one block (`add_rms_norm`) instead of
 /// `add_rms_norm_split` (for same-run comparisons).
+/// A setting that is on unless the environment sets it to `0` (for same-run comparisons).
+fn enabled_unless_zero(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0")
+}
+
 fn norm_split_enabled_by_env() -> bool {
-    std::env::var("CAPY_NORM_SPLIT").map_or(true, |v| v != "0")
+    enabled_unless_zero("CAPY_NORM_SPLIT")
 }
 
 fn pdl_enabled() -> bool {
-    std::env::var("CAPY_PDL").map_or(true, |v| v != "0")
+    enabled_unless_zero("CAPY_PDL")
 }
 
 /// `CAPY_NVFP4R_SPLITK=0` keeps the plain records kernels (NVFP4 and IQ3_S) for every shape
@@ -468,6 +475,14 @@ struct Inner {
     /// A decode row's attention inputs in one launch (`attention_inputs_row`), unless
     /// `CAPY_ATTENTION_INPUTS_FUSED=0`.
     attention_inputs_fused: bool,
+    /// A decode row's GDN output norm inside the delta rule's launch
+    /// (`Backend::gated_delta_rule_normed`), unless `CAPY_GDN_NORM_FUSED=0`.
+    gdn_norm_fused: std::sync::atomic::AtomicBool,
+    /// The decode attention's output gate applied where `attn_combine` writes
+    /// (`Backend::attention_gated`), unless `CAPY_ATTENTION_GATE_FUSED=0`.
+    attention_gate_fused: std::sync::atomic::AtomicBool,
+    /// Greedy picks made on the device (`Backend::argmax_rows`), unless `CAPY_DEVICE_ARGMAX=0`.
+    device_argmax: std::sync::atomic::AtomicBool,
     /// `CudaBackend::attention_slots`, computed at the first decode attention.
     attention_slots: std::sync::OnceLock<usize>,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
@@ -782,9 +797,43 @@ macro_rules! launch {
     }};
 }
 
+/// The shapes [`Backend::attention`] takes: `q` `[n, heads·d]`, caches `[past + n, kv_heads·d]`,
+/// heads of at most 256 (the kernels' limit).
+fn check_attention_shapes(
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    past: usize,
+    s: AttentionShape,
+) {
+    let n = q.rows;
+    assert_eq!(q.cols, s.num_heads * s.head_dim);
+    assert_eq!(k.cols, s.num_kv_heads * s.head_dim);
+    assert_eq!(
+        k.rows,
+        past + n,
+        "attention: cache has {} rows, expected {}",
+        k.rows,
+        past + n
+    );
+    assert_eq!(v.rows, k.rows);
+    assert!(
+        s.head_dim <= 256,
+        "attention: head_dim {} is above the kernel's 256",
+        s.head_dim
+    );
+}
+
 fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
+
+/// Values one `argmax_partial` block scans (kernels/sampling.cu).
+const ARGMAX_CHUNK: usize = 2048;
+
+/// Value tiles of 32 columns one normed delta-rule block holds (kernels/delta_rule.cu
+/// `GDR_MAX_TILES`): heads of up to 256 value columns.
+const GDR_MAX_TILES: usize = 8;
 
 /// Values a norm thread holds in registers (kernels/norm.cu `NORM_VALS`).
 const NORM_VALS: usize = 8;
@@ -1056,8 +1105,16 @@ impl CudaBackend {
                 norm_split: std::sync::atomic::AtomicBool::new(norm_split_enabled_by_env()),
                 norm_barrier,
                 attention_slots: std::sync::OnceLock::new(),
-                attention_inputs_fused: std::env::var("CAPY_ATTENTION_INPUTS_FUSED")
-                    .map_or(true, |v| v != "0"),
+                attention_inputs_fused: enabled_unless_zero("CAPY_ATTENTION_INPUTS_FUSED"),
+                gdn_norm_fused: std::sync::atomic::AtomicBool::new(enabled_unless_zero(
+                    "CAPY_GDN_NORM_FUSED",
+                )),
+                attention_gate_fused: std::sync::atomic::AtomicBool::new(enabled_unless_zero(
+                    "CAPY_ATTENTION_GATE_FUSED",
+                )),
+                device_argmax: std::sync::atomic::AtomicBool::new(enabled_unless_zero(
+                    "CAPY_DEVICE_ARGMAX",
+                )),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -1169,6 +1226,19 @@ impl CudaBackend {
     /// with one (`CAPY_NORM_SPLIT=0`); for tests and same-run comparisons.
     pub fn set_norm_split(&self, on: bool) {
         self.inner.norm_split.store(on, Ordering::Relaxed);
+    }
+
+    /// The decode tails fused into the kernels before them (the GDN output norm into the
+    /// delta rule, the attention's output gate into its combine), or composed of the plain
+    /// ops: tests run both.
+    pub fn set_fused_tails(&self, on: bool) {
+        self.inner.gdn_norm_fused.store(on, Ordering::Relaxed);
+        self.inner.attention_gate_fused.store(on, Ordering::Relaxed);
+    }
+
+    /// Greedy picks on the device, or on the host from the downloaded rows (tests run both).
+    pub fn set_device_argmax(&self, on: bool) {
+        self.inner.device_argmax.store(on, Ordering::Relaxed);
     }
 
     pub fn graph_stats(&self) -> graph::GraphStats {
@@ -1663,6 +1733,10 @@ impl CudaBackend {
     /// The recurrent delta rule over `n` tokens whose q, k and v rows are `strides` floats apart
     /// (separate tensors, or the packed conv output read in place).
     #[allow(clippy::too_many_arguments)]
+    /// The recurrent delta rule; with `norm` (weight, z, activation, eps) a block holds each
+    /// head's every value column and writes the normed, gated output (kernels/delta_rule.cu),
+    /// with its int8 copy where `out` has one.
+    #[allow(clippy::too_many_arguments)]
     fn delta_rule_recurrent(
         &self,
         (q, k, v): (u64, u64, u64),
@@ -1673,6 +1747,7 @@ impl CudaBackend {
         s: DeltaRuleShape,
         n: usize,
         out: &CudaTensor,
+        norm: Option<(&CudaVector, &CudaTensor, GateActivation, f32)>,
     ) {
         state.written();
         assert!(
@@ -1687,14 +1762,39 @@ impl CudaBackend {
             n * s.num_v_heads,
             "gated delta rule: beta shape"
         );
-        if n > 0 {
-            // One warp per 32 key rows (kernels/delta_rule.cu).
-            let warps = ceil_div(s.k_head_dim, 32).max(1) as u32;
-            launch!(self, "gated_delta_rule", (s.num_v_heads as u32, ceil_div(s.v_head_dim, 32) as u32, 1), (32, warps, 1), 0;
-                q, k, v, g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
-                s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32,
-                strides.0 as i32, strides.1 as i32, strides.2 as i32);
+        if n == 0 {
+            return;
         }
+        // One warp per 32 key rows of a 32-column value tile (kernels/delta_rule.cu); a normed
+        // launch puts all of a head's tiles in one block.
+        let warps = ceil_div(s.k_head_dim, 32).max(1);
+        let value_tiles = ceil_div(s.v_head_dim, 32);
+        let (tiles_per_block, (w, z, act, eps)) = match norm {
+            Some((w, z, act, eps)) => {
+                assert!(
+                    value_tiles <= GDR_MAX_TILES && warps * value_tiles <= 32,
+                    "gated delta rule: a normed head of {} value columns does not fit a block",
+                    s.v_head_dim
+                );
+                let act = match act {
+                    GateActivation::Silu => 0i32,
+                    GateActivation::Sigmoid => 1,
+                };
+                (value_tiles, (w.buf.ptr, z.ptr(), act, eps))
+            }
+            None => (1, (0u64, 0u64, 0i32, 0f32)),
+        };
+        let (xq, xs) = if norm.is_some() {
+            out.q8_args()
+        } else {
+            (0, 0)
+        };
+        launch!(self, "gated_delta_rule",
+            (s.num_v_heads as u32, (value_tiles / tiles_per_block) as u32, 1),
+            (32, (warps * tiles_per_block) as u32, 1), 0;
+            q, k, v, g.ptr(), beta.ptr(), state.ptr(), out.ptr(), n as i32,
+            s.num_k_heads as i32, s.num_v_heads as i32, s.k_head_dim as i32, s.v_head_dim as i32,
+            strides.0 as i32, strides.1 as i32, strides.2 as i32, w, z, act, eps, xq, xs);
     }
 
     /// Whether the int8 (dp4a) decode matvecs may take `x · wᵀ`: the fast path, one input
@@ -1966,6 +2066,9 @@ impl CudaBackend {
         })
     }
 
+    /// Decode attention split over the keys; with `gate` the combine writes
+    /// `attention · sigmoid(gate)` (and the int8 copy where `out` has one).
+    #[allow(clippy::too_many_arguments)]
     fn attention_split_kv(
         &self,
         q: &CudaTensor,
@@ -1974,6 +2077,7 @@ impl CudaBackend {
         past: usize,
         s: AttentionShape,
         out: &CudaTensor,
+        gate: Option<&CudaTensor>,
     ) {
         let n = q.rows;
         let total = k.rows;
@@ -1990,8 +2094,14 @@ impl CudaBackend {
         launch!(self, "attn_split", (blocks as u32, splits as u32, n as u32), (128, 1, 1), 0;
             q.ptr(), k.ptr(), v.ptr(), part_o.ptr, part_ml.ptr, past as i32, s.num_heads as i32,
             s.num_kv_heads as i32, s.head_dim as i32, s.scale, split_len as i32);
+        let (xq, xs) = if gate.is_some() {
+            out.q8_args()
+        } else {
+            (0, 0)
+        };
         launch!(self, "attn_combine", (s.num_heads as u32, n as u32, 1), (256, 1, 1), 0;
-            part_o.ptr, part_ml.ptr, out.ptr(), s.num_heads as i32, s.head_dim as i32, splits as i32);
+            part_o.ptr, part_ml.ptr, out.ptr(), s.num_heads as i32, s.head_dim as i32, splits as i32,
+            gate.map_or(0, |g| g.ptr()), xq, xs);
     }
 
     /// Prefill attention (as [`Backend::attention`] with 16 or more query rows) cut up by
@@ -2482,6 +2592,25 @@ impl Backend for CudaBackend {
     fn to_host(&self, x: &CudaTensor) -> Vec<f32> {
         let mut out = crate::tensor::bulk_f32(x.len());
         self.dtoh(&mut out, x.ptr());
+        out
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor, limit: usize) -> Vec<u32> {
+        let cols = limit.min(x.cols);
+        if !self.inner.device_argmax.load(Ordering::Relaxed) || x.rows == 0 || cols == 0 {
+            return argmax_rows_on_host(self, x, limit);
+        }
+        // Parts of 2K values: a 248K-value row is ~120 blocks, one wave.
+        let chunk = ARGMAX_CHUNK;
+        let parts = ceil_div(cols, chunk);
+        let partial = self.alloc(x.rows * parts * 8, "argmax partials");
+        let ids = self.alloc(x.rows * 4, "argmax ids");
+        launch!(self, "argmax_partial", (parts as u32, x.rows as u32, 1), (256, 1, 1), 0;
+            x.ptr(), x.cols as i32, cols as i32, chunk as i32, partial.ptr);
+        launch!(self, "argmax_final", (x.rows as u32, 1, 1), (256, 1, 1), 0;
+            partial.ptr, parts as i32, ids.ptr);
+        let mut out = vec![0u32; x.rows];
+        self.dtoh(&mut out, ids.ptr);
         out
     }
 
@@ -3104,30 +3233,44 @@ impl Backend for CudaBackend {
         s: AttentionShape,
     ) -> CudaTensor {
         let n = q.rows;
-        assert_eq!(q.cols, s.num_heads * s.head_dim);
-        assert_eq!(k.cols, s.num_kv_heads * s.head_dim);
-        assert_eq!(
-            k.rows,
-            past + n,
-            "attention: cache has {} rows, expected {}",
-            k.rows,
-            past + n
-        );
-        assert_eq!(v.rows, k.rows);
-        assert!(
-            s.head_dim <= 256,
-            "attention: head_dim {} is above the kernel's 256",
-            s.head_dim
-        );
+        check_attention_shapes(q, k, v, past, s);
         let out = self.alloc_act(n, q.cols, n);
         if n == 0 {
             return out;
         }
         if n < ATTENTION_GEMM_MIN_ROWS {
-            self.attention_split_kv(q, k, v, past, s, &out);
+            self.attention_split_kv(q, k, v, past, s, &out, None);
         } else {
             self.attention_gemm(q, k, v, past, s, &out);
         }
+        out
+    }
+
+    fn attention_gated(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        past: usize,
+        s: AttentionShape,
+        gate: &CudaTensor,
+    ) -> CudaTensor {
+        let n = q.rows;
+        let fused = n > 0
+            && n < ATTENTION_GEMM_MIN_ROWS
+            && (gate.rows, gate.cols) == (q.rows, q.cols)
+            && self.inner.attention_gate_fused.load(Ordering::Relaxed);
+        if !fused {
+            return self.sigmoid_gate(&self.attention(q, k, v, past, s), gate);
+        }
+        check_attention_shapes(q, k, v, past, s);
+        // The combine stores whole int8 groups per warp: heads of whole groups only.
+        let out = if s.head_dim.is_multiple_of(32) {
+            self.alloc_act_q8(n, q.cols)
+        } else {
+            self.alloc_act(n, q.cols, n)
+        };
+        self.attention_split_kv(q, k, v, past, s, &out, Some(gate));
         out
     }
 
@@ -3250,6 +3393,7 @@ impl Backend for CudaBackend {
                 s,
                 n,
                 &out,
+                None,
             );
         }
         out
@@ -3292,6 +3436,54 @@ impl Backend for CudaBackend {
             s,
             n,
             &out,
+            None,
+        );
+        out
+    }
+
+    fn gated_delta_rule_normed(
+        &self,
+        qkv: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaTensor,
+        shape: DeltaRuleShape,
+        z: &CudaTensor,
+        w: &CudaVector,
+        eps: f32,
+        gate: GateActivation,
+    ) -> CudaTensor {
+        let s = shape;
+        let (kd, vd) = (s.num_k_heads * s.k_head_dim, s.num_v_heads * s.v_head_dim);
+        let fused = qkv.cols == 2 * kd + vd
+            && z.rows == qkv.rows
+            && z.cols == vd
+            && w.len == s.v_head_dim
+            && s.k_head_dim <= 128
+            && s.v_head_dim.div_ceil(32) <= GDR_MAX_TILES
+            && self.inner.gdn_norm_fused.load(Ordering::Relaxed);
+        if !fused {
+            let core =
+                self.gated_delta_rule_packed(qkv, g, beta, state, s, DeltaRuleMode::Recurrent);
+            return gdn_output_norm(self, &core, z, w, eps, s.v_head_dim, gate);
+        }
+        let n = qkv.rows;
+        let out = if s.v_head_dim.is_multiple_of(32) {
+            self.alloc_act_q8(n, vd)
+        } else {
+            self.alloc_act(n, vd, n)
+        };
+        let base = qkv.ptr();
+        self.delta_rule_recurrent(
+            (base, base + (kd * 4) as u64, base + (2 * kd * 4) as u64),
+            (qkv.cols, qkv.cols, qkv.cols),
+            g,
+            beta,
+            state,
+            s,
+            n,
+            &out,
+            Some((w, z, gate, eps)),
         );
         out
     }

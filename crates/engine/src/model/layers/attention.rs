@@ -261,7 +261,9 @@ impl<B: Backend> Attention<B> {
             let q_index = norm_rope(&q_index_raw, &ix.q_norm, ix.shape.index_head_dim);
             (q_index, raw_k)
         });
-        // 2. per sequence: append to the caches, attend
+        // 2. per sequence: append to the caches, attend (one dense sequence's rows are the
+        //    whole batch: its output gate goes in with the attention)
+        let gate_inline = self.indexer.is_none() && spans.len() == 1;
         let mut outs = Vec::with_capacity(spans.len());
         for (span, state) in spans.iter().zip(states.iter_mut()) {
             if let Some((k, v)) = &kv {
@@ -284,14 +286,21 @@ impl<B: Backend> Attention<B> {
                         ix.shape,
                     ));
                 }
+                (None, None, None) if gate_inline => {
+                    outs.push(b.attention_gated(&q_span, &state.k, &state.v, span.past, s, &gate))
+                }
                 (None, None, None) => {
                     outs.push(b.attention(&q_span, &state.k, &state.v, span.past, s))
                 }
                 _ => unreachable!("attention states are created with the layer's indexer"),
             }
         }
-        // 3. sigmoid output gate, output projection
-        let attn = b.sigmoid_gate(&join_rows(b, outs), &gate);
+        // 3. sigmoid output gate (unless applied above), output projection
+        let attn = if gate_inline {
+            join_rows(b, outs)
+        } else {
+            b.sigmoid_gate(&join_rows(b, outs), &gate)
+        };
         b.linear(&attn, &self.o_proj)
     }
 

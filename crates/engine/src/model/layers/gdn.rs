@@ -1,7 +1,7 @@
 //! Gated DeltaNet (linear attention with a recurrent state).
 
 use super::{join_rows, rows_of, tensor, vector, Span};
-use crate::backend::{Backend, DeltaRuleMode, DeltaRuleShape};
+use crate::backend::{gdn_output_norm, Backend, DeltaRuleMode, DeltaRuleShape};
 use crate::checkpoint::Checkpoint;
 use crate::config::{GateActivation, TextConfig};
 use crate::tensor::HostTensor;
@@ -147,7 +147,8 @@ impl<B: Backend> GatedDeltaNet<B> {
     }
 
     /// One sequence's one new token: the split, conv and gates in one backend op
-    /// (`Backend::gdn_decode_inputs`), the delta rule in its recurrent form.
+    /// (`Backend::gdn_decode_inputs`), the delta rule in its recurrent form with the output
+    /// norm (`Backend::gated_delta_rule_normed`).
     fn decode_one(&self, b: &B, proj: &B::Act, state: &mut LinearState<B>) -> B::Act {
         let s = self.shape;
         let [qkv, z, g, beta] = b.gdn_decode_inputs(
@@ -159,33 +160,31 @@ impl<B: Backend> GatedDeltaNet<B> {
             self.conv_dim,
             s.num_v_heads * s.v_head_dim,
         );
-        let core = b.gated_delta_rule_packed(
+        let normed = b.gated_delta_rule_normed(
             &qkv,
             &g,
             &beta,
             &mut state.recurrent,
             s,
-            DeltaRuleMode::Recurrent,
+            &z,
+            &self.norm,
+            self.eps,
+            self.gate,
         );
-        self.output(b, &core, &z)
+        b.linear(&normed, &self.out_proj)
     }
 
     /// The gated RMSNorm per value head (`norm(x) · w · act(z)`), then the output projection.
     fn output(&self, b: &B, core: &B::Act, z: &B::Act) -> B::Act {
-        let s = self.shape;
-        let normed = match self.gate {
-            GateActivation::Silu => b.rms_norm_gated(core, z, &self.norm, self.eps, s.v_head_dim),
-            GateActivation::Sigmoid => b.sigmoid_gate(
-                &b.rms_norm(
-                    core,
-                    &self.norm,
-                    self.eps,
-                    crate::backend::NormScale::Plain,
-                    s.v_head_dim,
-                ),
-                z,
-            ),
-        };
+        let normed = gdn_output_norm(
+            b,
+            core,
+            z,
+            &self.norm,
+            self.eps,
+            self.shape.v_head_dim,
+            self.gate,
+        );
         b.linear(&normed, &self.out_proj)
     }
 }
