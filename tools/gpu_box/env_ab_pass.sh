@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Same-run A/B of settings (carry [".gpu"] after build.sh, plus ".gpu-base" for BASE_FN=1):
-# $TESTS first (and $EXACT_TESTS under CAPY_EXACT_MATH=1); then for each case of $CASES ("model:format:VAR=value …") the default bench
+# $TESTS first (and $EXACT_TESTS under CAPY_EXACT_MATH=1); then for each case of $CASES
+# ("model:format:VAR=value[,VAR2=value2] …") the default bench
 # and the bench under VAR=value, as $OUT/<model>-<format>.json and <model>-<format>-<VAR>.json
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
 # ($OUT/qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
@@ -19,7 +20,9 @@ bench() { # out-name binary model format
 for case in $CASES; do
   model=${case%%:*} rest=${case#*:} format=${rest%%:*} setting=${rest#*:}
   [ -f "$OUT/$model-$format.json" ] || bench "$model-$format" .gpu/capy-flash "$model" "$format"
-  ( export "$setting"; bench "$model-$format-${setting%%=*}" .gpu/capy-flash "$model" "$format" )
+  # Several settings at once: VAR=value,VAR2=value2 (the output named after the first).
+  ( IFS=, read -ra settings <<< "$setting"; export "${settings[@]}"
+    bench "$model-$format-${setting%%=*}" .gpu/capy-flash "$model" "$format" )
 done
 if [ -n "$BASE_FN" ]; then
   xz -dc .gpu-base/capy-flash.xz > /tmp/capy-base && chmod +x /tmp/capy-base
