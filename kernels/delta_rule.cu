@@ -12,6 +12,9 @@
 #define GDR_MAX_WARPS (GDR_MAX_DK / 32)
 // Value tiles one block may hold: a normed block holds a head's every value column.
 #define GDR_MAX_TILES 8
+// Threads a block may have: 16 warps at 32 state registers and ~80 more each (a 27B head, 128
+// key rows by 128 value columns, in one block) stay within the SM's 64K registers.
+#define GDR_MAX_THREADS 512
 
 // q, k [n, NK·dk]; v [n, NV·dv]; g, beta [n, NV]; state [NV, dk, dv]; out [n, NV·dv]. q, k and
 // v rows are `q_stride`, `k_stride`, `v_stride` floats apart, so they may be read in place from
@@ -24,7 +27,7 @@
 // rms_norm (gated) or rms_norm + sigmoid_gate compute it after the plain kernel: a launch fewer
 // per GDN layer of a decode step. z is [n, NV·dv]. With `xq` also set (one token, dv % 32 == 0)
 // the int8 copy for the output projection is stored too (warp_store_q8r).
-extern "C" __global__ void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
+extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta,
                                             float* state, float* out, int n, int nk, int nv, int dk, int dv,
                                             int q_stride, int k_stride, int v_stride, const float* norm_w,
                                             const float* z, int gate_act, float eps, unsigned char* xq, float* xs) { KERNEL_START();

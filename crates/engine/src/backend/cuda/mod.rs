@@ -831,9 +831,16 @@ fn ceil_div(a: usize, b: usize) -> usize {
 /// Values one `argmax_partial` block scans (kernels/sampling.cu).
 const ARGMAX_CHUNK: usize = 2048;
 
-/// Value tiles of 32 columns one normed delta-rule block holds (kernels/delta_rule.cu
-/// `GDR_MAX_TILES`): heads of up to 256 value columns.
-const GDR_MAX_TILES: usize = 8;
+/// Whether one block holds a whole head of the normed delta rule (kernels/delta_rule.cu): a
+/// warp per 32 key rows (at most 128) of each 32-column value tile, at most `GDR_MAX_TILES`
+/// tiles and `GDR_MAX_THREADS` threads (the kernel's register bound): the 27B's 128x128 heads
+/// are 16 warps.
+fn normed_delta_rule_fits(s: DeltaRuleShape) -> bool {
+    const GDR_MAX_TILES: usize = 8;
+    const GDR_MAX_THREADS: usize = 512;
+    let (warps, tiles) = (s.k_head_dim.div_ceil(32), s.v_head_dim.div_ceil(32));
+    s.k_head_dim <= 128 && tiles <= GDR_MAX_TILES && 32 * warps * tiles <= GDR_MAX_THREADS
+}
 
 /// Values a norm thread holds in registers (kernels/norm.cu `NORM_VALS`).
 const NORM_VALS: usize = 8;
@@ -1772,8 +1779,9 @@ impl CudaBackend {
         let (tiles_per_block, (w, z, act, eps)) = match norm {
             Some((w, z, act, eps)) => {
                 assert!(
-                    value_tiles <= GDR_MAX_TILES && warps * value_tiles <= 32,
-                    "gated delta rule: a normed head of {} value columns does not fit a block",
+                    normed_delta_rule_fits(s),
+                    "gated delta rule: a normed head of {}x{} does not fit a block",
+                    s.k_head_dim,
                     s.v_head_dim
                 );
                 let act = match act {
@@ -3459,8 +3467,7 @@ impl Backend for CudaBackend {
             && z.rows == qkv.rows
             && z.cols == vd
             && w.len == s.v_head_dim
-            && s.k_head_dim <= 128
-            && s.v_head_dim.div_ceil(32) <= GDR_MAX_TILES
+            && normed_delta_rule_fits(s)
             && self.inner.gdn_norm_fused.load(Ordering::Relaxed);
         if !fused {
             let core =
