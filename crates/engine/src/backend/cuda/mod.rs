@@ -1805,6 +1805,34 @@ impl CudaBackend {
             strides.0 as i32, strides.1 as i32, strides.2 as i32, w, z, act, eps, xq, xs);
     }
 
+    /// [`CudaBackend::delta_rule_recurrent`] reading q, k and v in place from the packed conv
+    /// output `qkv` (`q ‖ k ‖ v` a row).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_rule_recurrent_packed(
+        &self,
+        qkv: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        state: &mut CudaTensor,
+        s: DeltaRuleShape,
+        out: &CudaTensor,
+        norm: Option<(&CudaVector, &CudaTensor, GateActivation, f32)>,
+    ) {
+        let kd = s.num_k_heads * s.k_head_dim;
+        let base = qkv.ptr();
+        self.delta_rule_recurrent(
+            (base, base + (kd * 4) as u64, base + (2 * kd * 4) as u64),
+            (qkv.cols, qkv.cols, qkv.cols),
+            g,
+            beta,
+            state,
+            s,
+            qkv.rows,
+            out,
+            norm,
+        );
+    }
+
     /// Whether the int8 (dp4a) decode matvecs may take `x · wᵀ`: the fast path, one input
     /// row, whole 256-weight super-blocks. Exact math and several rows keep the f32 kernels.
     fn fast_single_row(&self, x: &CudaTensor, w: &CudaMatrix) -> bool {
@@ -3434,18 +3462,7 @@ impl Backend for CudaBackend {
             return self.gated_delta_rule(&q, &k, &v, g, beta, state, s, mode);
         }
         let out = self.alloc_act(n, vd, n);
-        let base = qkv.ptr();
-        self.delta_rule_recurrent(
-            (base, base + (kd * 4) as u64, base + (2 * kd * 4) as u64),
-            (qkv.cols, qkv.cols, qkv.cols),
-            g,
-            beta,
-            state,
-            s,
-            n,
-            &out,
-            None,
-        );
+        self.delta_rule_recurrent_packed(qkv, g, beta, state, s, &out, None);
         out
     }
 
@@ -3480,18 +3497,7 @@ impl Backend for CudaBackend {
         } else {
             self.alloc_act(n, vd, n)
         };
-        let base = qkv.ptr();
-        self.delta_rule_recurrent(
-            (base, base + (kd * 4) as u64, base + (2 * kd * 4) as u64),
-            (qkv.cols, qkv.cols, qkv.cols),
-            g,
-            beta,
-            state,
-            s,
-            n,
-            &out,
-            Some((w, z, gate, eps)),
-        );
+        self.delta_rule_recurrent_packed(qkv, g, beta, state, s, &out, Some((w, z, gate, eps)));
         out
     }
 }
