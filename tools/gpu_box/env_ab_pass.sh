@@ -2,9 +2,9 @@
 # Same-run A/B of settings (carry [".gpu"] after build.sh, plus ".gpu-base" for BASE_FN=1):
 # $TESTS first (and $EXACT_TESTS under CAPY_EXACT_MATH=1); then for each case of $CASES
 # ("model:format:VAR=value[,VAR2=value2] …") the default bench
-# and the bench under VAR=value, as $OUT/<model>-<format>.json and <model>-<format>-<VAR>.json
+# and the bench under VAR=value, as <model>-<format>.json and <model>-<format>-<VAR>.json in $OUT/logs.tgz
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
-# ($OUT/qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
+# (qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
 # 27B NVFP4 decode kernels into $OUT/ncu-detail.txt; NCU_DECODE ("name:model:format …") one
 # decode step's kernels of each under ncu into $OUT/<name>.json. Logs: $OUT/logs.tgz.
 source tools/gpu_box/common.sh
@@ -14,12 +14,13 @@ done
 for t in $EXACT_TESTS; do
   CAPY_EXACT_MATH=1 step "$t-exact" 120 ".gpu/tests/$t" --test-threads=1
 done
+# The records go into logs.tgz with the logs: a device call returns only a few files.
 bench() { # out-name binary model format
-  step "$1" 150 "$2" bench --out "$OUT/$1.json" gpu --synthetic "$3" --quant "$4" --decode-tokens 16
+  step "$1" 150 "$2" bench --out "$LOGS/$1.json" gpu --synthetic "$3" --quant "$4" --decode-tokens 16
 }
 for case in $CASES; do
   model=${case%%:*} rest=${case#*:} format=${rest%%:*} setting=${rest#*:}
-  [ -f "$OUT/$model-$format.json" ] || bench "$model-$format" .gpu/capy-flash "$model" "$format"
+  [ -f "$LOGS/$model-$format.json" ] || bench "$model-$format" .gpu/capy-flash "$model" "$format"
   # Several settings at once: VAR=value,VAR2=value2 (the output named after the first).
   ( IFS=, read -ra settings <<< "$setting"; export "${settings[@]}"
     bench "$model-$format-${setting%%=*}" .gpu/capy-flash "$model" "$format" )
