@@ -46,14 +46,16 @@ __device__ __forceinline__ int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 // Experts a lane of the top-k warp holds: up to 32 · MOE_ROUTE_PER_LANE experts.
 #define MOE_ROUTE_PER_LANE 32
 
-// One block per row (256 threads). logits [n, experts] → ids, weights [n, k].
-extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize) { KERNEL_START();
+// One block per row (256 threads). logits [n, stride] (the first `experts` columns; the router's
+// output may carry more, as Flash-Next's shared-expert gate) → ids, weights [n, k].
+extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize,
+                                     int stride) { KERNEL_START();
     __shared__ float scratch[32];
     __shared__ float top_p[64];
     extern __shared__ float probs[];  // experts floats
     const int r = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const float* row = logits + (u64)r * experts;
+    const float* row = logits + (u64)r * stride;
     float m = -INFINITY;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, row[e]);
     m = warp_max(m);
@@ -112,6 +114,44 @@ extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weigh
         if (!normalize) norm = 1.0f;
         __syncwarp();
         for (int j = lane; j < k; j += 32) weights[(u64)r * k + j] = top_p[j] / norm;
+    }
+}
+
+#define MOE_DEVICE_MAX_K 64
+
+// A decode row's routing kept on the device (Backend::moe_routed_on_device): moe_route's k
+// picks (ids, weights) sorted by expert, the order the host groups them in, written as the
+// grouped kernels' tables: group j is expert ids[j]'s one row (slot j), its pointers (and,
+// with stride 6, multipliers) from `table` [experts, stride] u64. The combine then sums the
+// same terms in the same order as after host grouping, so the two paths agree bit for bit.
+// One thread; k ≤ MOE_DEVICE_MAX_K.
+extern "C" __global__ void moe_device_groups(const u32* ids, const float* weights, const u64* table, int stride, int k,
+                                             u64* groups, u32* rows, u32* slots, float* sorted_weights) { KERNEL_START();
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    u32 e[MOE_DEVICE_MAX_K];
+    float w[MOE_DEVICE_MAX_K];
+    for (int j = 0; j < k; j++) {
+        u32 ej = ids[j];
+        float wj = weights[j];
+        int i = j;
+        for (; i > 0 && e[i - 1] > ej; i--) {
+            e[i] = e[i - 1];
+            w[i] = w[i - 1];
+        }
+        e[i] = ej;
+        w[i] = wj;
+    }
+    for (int j = 0; j < k; j++) {
+        const u64* t = table + (u64)e[j] * stride;
+        u64* g = groups + (u64)j * stride;
+        g[0] = t[0];
+        g[1] = t[1];
+        g[2] = (u64)j;
+        g[3] = 1;
+        for (int c = 4; c < stride; c++) g[c] = t[c];
+        rows[j] = 0;
+        slots[j] = (u32)j;
+        sorted_weights[j] = w[j];
     }
 }
 

@@ -509,6 +509,78 @@ fn quantized_routed_experts_match_cpu() {
     }
 }
 
+/// A decode row's routing kept on the device (`moe_routed_on_device`: route, group and run the
+/// experts with no host round trip) gives bit for bit what routing on the host and grouping
+/// there gives (the same kernels, the same order of sums), and matches the CPU: quantized
+/// experts (Flash-Next's IQ3_S gate‖up with Q2_0 down, and NVFP4) and dense BF16 ones, top 10
+/// of 64 from router logits with one column more (the shared expert's gate), both
+/// normalisations. It declines what it does not take: several rows, experts of mixed kinds.
+#[test]
+fn device_routed_experts_equal_host_routing() {
+    use capy_engine::backend::cpu::experts::RowFormat;
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut r = Rng(17);
+    let (count, k, hidden, inter) = (64usize, 10usize, 2560usize, 640usize);
+    let quantized = [("iq3_s", "q2_0"), ("nvfp4", "nvfp4")].map(|(fg, fd)| {
+        let formats = (RowFormat::parse(fg).unwrap(), RowFormat::parse(fd).unwrap());
+        (
+            format!("{fg}/{fd}"),
+            quant_experts_pair(&g, formats, count, hidden, inter, 300),
+        )
+    });
+    let dense = (
+        "bf16".to_string(),
+        experts_pair(&g, &mut r, count, hidden, inter, DType::BF16),
+    );
+    for (what, (ec, eg)) in quantized.iter().chain(std::iter::once(&dense)) {
+        for normalize in [true, false] {
+            let logits = r.vec(count + 1, 2.0);
+            let (lc, lg) = pair(&g, 1, count + 1, &logits);
+            let (xc, xg) = pair(&g, 1, hidden, &r.vec(hidden, 1.0));
+            let on_device = g
+                .moe_routed_on_device(&xg, &lg, k, normalize, eg)
+                .unwrap_or_else(|| panic!("{what}: the device routing declined a decode row"));
+            let routing = g.moe_route(&g.cols(&lg, 0..count), k, normalize);
+            let on_host = g.moe_experts(&xg, &routing, eg);
+            assert_eq!(
+                g.to_host(&on_device),
+                g.to_host(&on_host),
+                "{what}, normalize {normalize}: device routing against host routing"
+            );
+            let cpu_routing = c.moe_route(&c.cols(&lc, 0..count), k, normalize);
+            assert_close(
+                &g.to_host(&on_device),
+                &c.moe_experts(&xc, &cpu_routing, ec).data,
+                &format!("{what}, normalize {normalize}: device routing against the CPU"),
+            );
+        }
+    }
+    let (_, (_, eg)) = &quantized[0];
+    let two_rows = g.from_host(2, hidden, &r.vec(2 * hidden, 1.0));
+    let two_logits = g.from_host(2, count + 1, &r.vec(2 * (count + 1), 1.0));
+    assert!(
+        g.moe_routed_on_device(&two_rows, &two_logits, k, true, eg)
+            .is_none(),
+        "two rows are routed on the host"
+    );
+    let iq3s = (
+        RowFormat::parse("iq3_s").unwrap(),
+        RowFormat::parse("q2_0").unwrap(),
+    );
+    let (_, quant_half) = quant_experts_pair(&g, iq3s, count / 2, hidden, inter, 500);
+    let (_, dense_half) = experts_pair(&g, &mut r, count / 2, hidden, inter, DType::BF16);
+    let mixed: Vec<_> = quant_half.into_iter().chain(dense_half).collect();
+    let (x1, l1) = (
+        g.from_host(1, hidden, &r.vec(hidden, 1.0)),
+        g.from_host(1, count + 1, &r.vec(count + 1, 1.0)),
+    );
+    assert!(
+        g.moe_routed_on_device(&x1, &l1, k, true, &mixed).is_none(),
+        "experts of mixed kinds are routed on the host"
+    );
+}
+
 /// The fast path's prefill experts (the grouped GEMMs on BF16 operands) against the CPU's
 /// exact sums: BF16 rounds each weight and activation to 8 bits of mantissa, so the check is
 /// relative to the output's size (a misplaced row or expert is off by ~100%).

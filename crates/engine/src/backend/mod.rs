@@ -671,6 +671,22 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (x, routing, experts);
         None
     }
+    /// [`Backend::moe_route`] over the first `experts.len()` columns of `logits` (the router's
+    /// output, which may carry more columns) and [`Backend::moe_experts`] on that routing, in
+    /// one op that never reads the routing back: `None` where the backend cannot, and the
+    /// caller routes on the host. A device backend thereby keeps a decode step free of a host
+    /// round trip per MoE layer (48 a Flash-Next step).
+    fn moe_routed_on_device(
+        &self,
+        x: &Self::Act,
+        logits: &Self::Act,
+        top_k: usize,
+        normalize: bool,
+        experts: &[ExpertMatrices<Self::Matrix>],
+    ) -> Option<Self::Act> {
+        let _ = (x, logits, top_k, normalize, experts);
+        None
+    }
     /// Routed experts: row `r` gets `Σ_j w_j · down_e(silu(gate_e x) · up_e x)` over its routed
     /// experts `e`. The default runs each hit expert on its rows through [`Backend::linear`].
     fn moe_experts(

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<u32[]> ids(new u32[(size_t)rows * k]);
     std::unique_ptr<float[]> weights(new float[(size_t)rows * k]);
     emu::launch({(unsigned)rows, 1, 1}, {256, 1, 1}, (size_t)experts * 4,
-                [&] { moe_route(logits.get(), ids.get(), weights.get(), experts, k, normalize); });
+                [&] { moe_route(logits.get(), ids.get(), weights.get(), experts, k, normalize, experts); });
 
     bool ok = true;
     double werr = 0;

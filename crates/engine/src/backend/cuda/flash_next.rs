@@ -25,6 +25,7 @@ use super::{
 use crate::backend::cpu::experts::RowFormat;
 use crate::backend::{cpu, AttentionShape, Backend, ExpertMatrices, MoeRouting, QsaShape};
 use std::ffi::c_void;
+use std::sync::atomic::Ordering;
 
 /// Rows per expert up to which the grouped matvec kernels run (`MOE_MAX_ROWS` in moe.cu).
 pub const MOE_MATVEC_MAX_ROWS: usize = 8;
@@ -42,6 +43,101 @@ const QSA_MAX_D: usize = 256;
 const MOE_MAX_TOP_K: usize = 64;
 /// The most experts the routing kernel takes: 32 lanes × `MOE_ROUTE_PER_LANE` (moe.cu).
 const MOE_ROUTE_MAX_EXPERTS: usize = 32 * 32;
+/// Picks `moe_device_groups` sorts in registers (kernels/moe.cu `MOE_DEVICE_MAX_K`).
+const MOE_DEVICE_MAX_K: usize = 64;
+
+/// What a layer's routed experts are, for the grouped kernels: their shared intermediate
+/// size and dtype, one quantized format for every gate_up and one for every down (`quant`),
+/// or all dense of one dtype (`dense`); experts of mixed kinds take the per-expert path.
+struct ExpertKinds {
+    inter: usize,
+    dtype: WeightType,
+    quant: Option<(QuantLayout, QuantLayout)>,
+    dense: bool,
+}
+
+impl ExpertKinds {
+    /// Checks every expert's shapes against the first's (panics naming the odd one).
+    fn of(experts: &[ExpertMatrices<CudaMatrix>], hidden: usize) -> Self {
+        let first = experts.first().expect("moe_experts: no experts");
+        let inter = first.gate_up.rows / 2;
+        let dtype = first.gate_up.dtype;
+        for (e, ex) in experts.iter().enumerate() {
+            assert!(
+                ex.gate_up.rows == 2 * inter
+                    && ex.gate_up.cols == hidden
+                    && ex.down.rows == hidden
+                    && ex.down.cols == inter,
+                "moe_experts: expert {e} has gate_up [{}, {}] and down [{}, {}]; expected [{}, {hidden}] and [{hidden}, {inter}]",
+                ex.gate_up.rows,
+                ex.gate_up.cols,
+                ex.down.rows,
+                ex.down.cols,
+                2 * inter
+            );
+        }
+        // Quantized experts of one gate_up and one down format (the hybrid cache's copies):
+        // the grouped kernels of moe_quant.cu, 6 u64 per group (pointers, slots, multipliers).
+        let quant = match (first.gate_up.quant, first.down.quant) {
+            (Some(gq), Some(dq)) if hidden.is_multiple_of(8) && inter.is_multiple_of(8) => experts
+                .iter()
+                .all(|e| {
+                    e.gate_up
+                        .quant
+                        .is_some_and(|q| q.code == gq.code && q.row_bytes == gq.row_bytes)
+                        && e.down
+                            .quant
+                            .is_some_and(|q| q.code == dq.code && q.row_bytes == dq.row_bytes)
+                })
+                .then_some((gq, dq)),
+            _ => None,
+        };
+        // The grouped kernels read dense rows: quantized experts of mixed formats go through
+        // `linear`, which dequantizes in the matvec.
+        let dense = experts.iter().all(|e| {
+            e.gate_up.dtype == dtype
+                && e.down.dtype == dtype
+                && e.gate_up.quant.is_none()
+                && e.down.quant.is_none()
+        });
+        ExpertKinds {
+            inter,
+            dtype,
+            quant,
+            dense,
+        }
+    }
+
+    /// Whether the grouped decode kernels take these experts.
+    fn grouped(&self) -> bool {
+        self.quant.is_some() || self.dense
+    }
+
+    /// u64 a group entry holds: 6 for quantized experts (with the two multipliers), 4 dense.
+    fn group_len(&self) -> usize {
+        if self.quant.is_some() {
+            6
+        } else {
+            4
+        }
+    }
+
+    /// One group's entry: the expert's gate_up and down pointers, its first slot and row
+    /// count, and (quantized) the two matrices' multipliers as f32 bits.
+    fn group(&self, ex: &ExpertMatrices<CudaMatrix>, first_slot: usize, rows: usize) -> Vec<u64> {
+        let mut g = vec![
+            ex.gate_up.buf.ptr,
+            ex.down.buf.ptr,
+            first_slot as u64,
+            rows as u64,
+        ];
+        if self.quant.is_some() {
+            let mult = |q: Option<QuantLayout>| q.map_or(0, |q| q.multiplier.to_bits()) as u64;
+            g.extend([mult(ex.gate_up.quant), mult(ex.down.quant)]);
+        }
+        g
+    }
+}
 
 /// Kernel arguments: each expression is copied into a local and passed by address.
 macro_rules! launch {
@@ -99,6 +195,7 @@ pub(super) fn kernel_files() -> Vec<(&'static str, &'static str, Vec<String>)> {
                 "moe_swiglu_bf16",
                 "moe_combine",
                 "moe_shared_gate",
+                "moe_device_groups",
             ]),
         ),
     ]
@@ -543,7 +640,7 @@ impl CudaBackend {
         let out = self.alloc(n * top_k * 8, "MoE routing");
         let weights_ptr = out.ptr + (n * top_k * 4) as u64;
         launch!(self, "moe_route", (n as u32, 1, 1), (256, 1, 1), (experts * 4) as u32;
-            logits.ptr(), out.ptr, weights_ptr, experts as i32, top_k as i32, normalize as i32);
+            logits.ptr(), out.ptr, weights_ptr, experts as i32, top_k as i32, normalize as i32, experts as i32);
         let host: Vec<u32> = self.download(out.ptr, 2 * n * top_k);
         let (ids, weights) = host.split_at(n * top_k);
         MoeRouting {
@@ -551,6 +648,130 @@ impl CudaBackend {
             experts: ids.to_vec(),
             weights: weights.iter().map(|&b| f32::from_bits(b)).collect(),
         }
+    }
+
+    /// Launches the grouped expert kernels on `groups` (device pointer, count, whether every
+    /// group has one row; entries of `kinds.group_len()` u64) into `ys` [slots, hidden]:
+    /// quantized experts through moe_quant.cu, dense ones through moe.cu.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_expert_groups(
+        &self,
+        kinds: &ExpertKinds,
+        (groups, count, one_row): (u64, usize, bool),
+        rows_ptr: u64,
+        x: &CudaTensor,
+        slots: usize,
+        interleaved: bool,
+        ys: u64,
+    ) {
+        let (hidden, inter) = (x.cols, kinds.inter);
+        let act = self.alloc(slots * inter * 4, "MoE expert activations");
+        let warps = 8usize;
+        match kinds.quant {
+            Some((gq, dq)) => {
+                // Every group one row (a decode step): the one-row kernels, with fewer registers.
+                let (gate_up, down) = if one_row {
+                    ("moe_q_gate_up_1", "moe_q_down_1")
+                } else {
+                    ("moe_q_gate_up", "moe_q_down")
+                };
+                launch!(self, gate_up, (ceil_div(inter, warps) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
+                    groups, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
+                    gq.row_bytes as u64, interleaved as i32);
+                launch!(self, down, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
+                    groups, act.ptr, ys, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
+            }
+            None => {
+                launch!(self, "moe_gate_up", (ceil_div(inter, warps) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
+                    groups, rows_ptr, x.ptr(), act.ptr, kinds.dtype as i32, hidden as i32, inter as i32,
+                    interleaved as i32);
+                launch!(self, "moe_down", (ceil_div(hidden, warps) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
+                    groups, act.ptr, ys, kinds.dtype as i32, hidden as i32, inter as i32);
+            }
+        }
+    }
+
+    /// Backend::moe_routed_on_device: one decode row, experts of one kind the grouped kernels
+    /// take (all quantized alike, or all dense of one dtype). `moe_route` writes the picks on
+    /// the device, `moe_device_groups` turns them into the grouped kernels' tables from the
+    /// layer's expert table (uploaded once, `expert_table`), and the combine sums as after
+    /// host grouping: the same launches, bit for bit the same output, no host round trip.
+    pub(super) fn fn_moe_routed_on_device(
+        &self,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        top_k: usize,
+        normalize: bool,
+        experts: &[ExpertMatrices<CudaMatrix>],
+    ) -> Option<CudaTensor> {
+        let e_count = experts.len();
+        let usable = x.rows == 1
+            && logits.rows == 1
+            && logits.cols >= e_count
+            && (1..=MOE_DEVICE_MAX_K.min(e_count)).contains(&top_k)
+            && e_count <= MOE_ROUTE_MAX_EXPERTS
+            && x.cols > 0
+            && self.inner.moe_device_routing.load(Ordering::Relaxed);
+        if !usable {
+            return None;
+        }
+        let kinds = ExpertKinds::of(experts, x.cols);
+        if !kinds.grouped() {
+            return None;
+        }
+        let stride = kinds.group_len();
+        let table = self.expert_table(&kinds, experts);
+        // picks: ids, weights; groups: [k, stride] u64; index tables: rows, slots, weights.
+        let picks = self.alloc(top_k * 8, "MoE routing");
+        let groups = self.alloc(top_k * stride * 8, "MoE expert groups");
+        let index = self.alloc(top_k * 12, "MoE routing tables");
+        let (ids, weights) = (picks.ptr, picks.ptr + (top_k * 4) as u64);
+        let (rows_ptr, slots_ptr, sorted_weights) = (
+            index.ptr,
+            index.ptr + (top_k * 4) as u64,
+            index.ptr + (top_k * 8) as u64,
+        );
+        launch!(self, "moe_route", (1, 1, 1), (256, 1, 1), (e_count * 4) as u32;
+            logits.ptr(), ids, weights, e_count as i32, top_k as i32, normalize as i32, logits.cols as i32);
+        launch!(self, "moe_device_groups", (1, 1, 1), (32, 1, 1), 0;
+            ids, weights, table, stride as i32, top_k as i32, groups.ptr, rows_ptr, slots_ptr, sorted_weights);
+        let hidden = x.cols;
+        let ys = self.alloc(top_k * hidden * 4, "MoE expert outputs");
+        self.launch_expert_groups(
+            &kinds,
+            (groups.ptr, top_k, true),
+            rows_ptr,
+            x,
+            top_k,
+            false,
+            ys.ptr,
+        );
+        let out = self.alloc_act(1, hidden, 1);
+        launch!(self, "moe_combine", grid_1d(hidden), (256, 1, 1), 0;
+            ys.ptr, slots_ptr, sorted_weights, out.ptr(), 1u64, hidden as i32, top_k as i32);
+        Some(out)
+    }
+
+    /// The layer's expert table for `moe_device_groups` (`kinds.group(expert, 0, 0)` of every
+    /// expert), uploaded at the first call and kept: keyed by the experts' first pointer and
+    /// checked against every pointer, so a table is never used for other experts.
+    fn expert_table(&self, kinds: &ExpertKinds, experts: &[ExpertMatrices<CudaMatrix>]) -> u64 {
+        let host: Vec<u64> = experts.iter().flat_map(|e| kinds.group(e, 0, 0)).collect();
+        let key = experts[0].gate_up.buf.ptr;
+        let mut tables = self
+            .inner
+            .expert_tables
+            .lock()
+            .expect("expert tables poisoned");
+        if let Some((kept, dev)) = tables.get(&key) {
+            if *kept == host {
+                return dev.ptr;
+            }
+        }
+        let dev = self.upload(&host, "MoE expert table");
+        let ptr = dev.ptr;
+        tables.insert(key, (host, dev));
+        ptr
     }
 
     /// `interleaved`: each expert's gate_up rows alternate gate, up (the hybrid expert cache's
@@ -574,23 +795,9 @@ impl CudaBackend {
         if n == 0 || hidden == 0 {
             return out;
         }
-        let first = experts.first().expect("moe_experts: no experts");
-        let inter = first.gate_up.rows / 2;
-        let dtype = first.gate_up.dtype;
-        for (e, ex) in experts.iter().enumerate() {
-            assert!(
-                ex.gate_up.rows == 2 * inter
-                    && ex.gate_up.cols == hidden
-                    && ex.down.rows == hidden
-                    && ex.down.cols == inter,
-                "moe_experts: expert {e} has gate_up [{}, {}] and down [{}, {}]; expected [{}, {hidden}] and [{hidden}, {inter}]",
-                ex.gate_up.rows,
-                ex.gate_up.cols,
-                ex.down.rows,
-                ex.down.cols,
-                2 * inter
-            );
-        }
+        let kinds = ExpertKinds::of(experts, hidden);
+        let (inter, dtype, quant_uniform, uniform) =
+            (kinds.inter, kinds.dtype, kinds.quant, kinds.dense);
         // Grouped layout: the slots of each hit expert, in ascending expert order; per row, its
         // k (slot, weight) pairs in the same order.
         let per = cpu::moe::rows_per_expert(routing, experts.len());
@@ -600,31 +807,7 @@ impl CudaBackend {
         let mut combine_weights = vec![0f32; n * k];
         let mut filled = vec![0usize; n];
         let mut small: Vec<u64> = Vec::new();
-        // Quantized experts of one gate_up and one down format (the hybrid cache's copies):
-        // the grouped kernels of moe_quant.cu, 6 u64 per group (pointers, slots, multipliers).
-        let quant_uniform = match (first.gate_up.quant, first.down.quant) {
-            (Some(gq), Some(dq)) if hidden % 8 == 0 && inter.is_multiple_of(8) => experts
-                .iter()
-                .all(|e| {
-                    e.gate_up
-                        .quant
-                        .is_some_and(|q| q.code == gq.code && q.row_bytes == gq.row_bytes)
-                        && e.down
-                            .quant
-                            .is_some_and(|q| q.code == dq.code && q.row_bytes == dq.row_bytes)
-                })
-                .then_some((gq, dq)),
-            _ => None,
-        };
         let mut big: Vec<(usize, usize, usize)> = Vec::new();
-        // The grouped kernels read dense rows: quantized experts (block formats, e.g. the
-        // hybrid cache's NVFP4/IQ3_S copies) go through `linear`, which dequantizes in the matvec.
-        let uniform = experts.iter().all(|e| {
-            e.gate_up.dtype == dtype
-                && e.down.dtype == dtype
-                && e.gate_up.quant.is_none()
-                && e.down.quant.is_none()
-        });
         for (e, list) in per.iter().enumerate() {
             if list.is_empty() {
                 continue;
@@ -637,23 +820,8 @@ impl CudaBackend {
                 combine_weights[r * k + filled[r]] = w;
                 filled[r] += 1;
             }
-            if quant_uniform.is_some() && list.len() <= MOE_MATVEC_MAX_ROWS {
-                let (gq, dq) = (experts[e].gate_up.quant, experts[e].down.quant);
-                small.extend([
-                    experts[e].gate_up.buf.ptr,
-                    experts[e].down.buf.ptr,
-                    off as u64,
-                    list.len() as u64,
-                    gq.map_or(0, |q| q.multiplier.to_bits()) as u64,
-                    dq.map_or(0, |q| q.multiplier.to_bits()) as u64,
-                ]);
-            } else if uniform && list.len() <= MOE_MATVEC_MAX_ROWS {
-                small.extend([
-                    experts[e].gate_up.buf.ptr,
-                    experts[e].down.buf.ptr,
-                    off as u64,
-                    list.len() as u64,
-                ]);
+            if kinds.grouped() && list.len() <= MOE_MATVEC_MAX_ROWS {
+                small.extend(kinds.group(&experts[e], off, list.len()));
             } else {
                 big.push((e, off, list.len()));
             }
@@ -669,33 +837,19 @@ impl CudaBackend {
         let slots_ptr = table_dev.ptr + (slots_total * 4) as u64;
         let weights_ptr = slots_ptr + (n * k * 4) as u64;
         let ys = self.alloc(slots_total * hidden * 4, "MoE expert outputs");
-        if let (Some((gq, dq)), false) = (quant_uniform, small.is_empty()) {
-            let groups = small.len() / 6;
-            let groups_dev = self.upload(&small, "MoE quantized expert groups");
-            let act = self.alloc(slots_total * inter * 4, "MoE expert activations");
-            let warps = 8usize;
-            // Every group one row (a decode step): the one-row kernels, with fewer registers.
-            let one_row = small.chunks(6).all(|g| g[3] == 1);
-            let (gate_up, down) = if one_row {
-                ("moe_q_gate_up_1", "moe_q_down_1")
-            } else {
-                ("moe_q_gate_up", "moe_q_down")
-            };
-            launch!(self, gate_up, (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
-                groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
-                gq.row_bytes as u64, interleaved as i32);
-            launch!(self, down, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
-                groups_dev.ptr, act.ptr, ys.ptr, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
-        } else if !small.is_empty() {
-            let groups = small.len() / 4;
+        if !small.is_empty() {
+            let stride = kinds.group_len();
             let groups_dev = self.upload(&small, "MoE expert groups");
-            let act = self.alloc(slots_total * inter * 4, "MoE expert activations");
-            let warps = 8usize;
-            launch!(self, "moe_gate_up", (ceil_div(inter, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
-                groups_dev.ptr, rows_ptr, x.ptr(), act.ptr, dtype as i32, hidden as i32, inter as i32,
-                interleaved as i32);
-            launch!(self, "moe_down", (ceil_div(hidden, warps) as u32, groups as u32, 1), (32 * warps as u32, 1, 1), 0;
-                groups_dev.ptr, act.ptr, ys.ptr, dtype as i32, hidden as i32, inter as i32);
+            let one_row = small.chunks(stride).all(|g| g[3] == 1);
+            self.launch_expert_groups(
+                &kinds,
+                (groups_dev.ptr, small.len() / stride, one_row),
+                rows_ptr,
+                x,
+                slots_total,
+                interleaved,
+                ys.ptr,
+            );
         }
         if !big.is_empty() {
             let weights = match quant_uniform {

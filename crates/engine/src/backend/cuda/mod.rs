@@ -483,6 +483,12 @@ struct Inner {
     attention_gate_fused: std::sync::atomic::AtomicBool,
     /// Greedy picks made on the device (`Backend::argmax_rows`), unless `CAPY_DEVICE_ARGMAX=0`.
     device_argmax: std::sync::atomic::AtomicBool,
+    /// A decode row's MoE routing kept on the device (`Backend::moe_routed_on_device`), unless
+    /// `CAPY_MOE_DEVICE_ROUTING=0`.
+    moe_device_routing: std::sync::atomic::AtomicBool,
+    /// Each MoE layer's expert table for the device routing, by its first expert's pointer:
+    /// the host copy (checked at every use) and the device one.
+    expert_tables: Mutex<HashMap<u64, (Vec<u64>, DevBuf)>>,
     /// `CudaBackend::attention_slots`, computed at the first decode attention.
     attention_slots: std::sync::OnceLock<usize>,
     /// Decode steps recorded as CUDA graphs (`graph.rs`).
@@ -1122,6 +1128,10 @@ impl CudaBackend {
                 device_argmax: std::sync::atomic::AtomicBool::new(enabled_unless_zero(
                     "CAPY_DEVICE_ARGMAX",
                 )),
+                moe_device_routing: std::sync::atomic::AtomicBool::new(enabled_unless_zero(
+                    "CAPY_MOE_DEVICE_ROUTING",
+                )),
+                expert_tables: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
                 } else {
@@ -1246,6 +1256,12 @@ impl CudaBackend {
     /// Greedy picks on the device, or on the host from the downloaded rows (tests run both).
     pub fn set_device_argmax(&self, on: bool) {
         self.inner.device_argmax.store(on, Ordering::Relaxed);
+    }
+
+    /// A decode row's MoE routing kept on the device, or read back to group the experts on the
+    /// host (tests run both).
+    pub fn set_moe_device_routing(&self, on: bool) {
+        self.inner.moe_device_routing.store(on, Ordering::Relaxed);
     }
 
     pub fn graph_stats(&self) -> graph::GraphStats {
@@ -3117,6 +3133,16 @@ impl Backend for CudaBackend {
         experts: &[crate::backend::ExpertMatrices<CudaMatrix>],
     ) -> CudaTensor {
         self.fn_moe_experts(x, routing, experts, false)
+    }
+    fn moe_routed_on_device(
+        &self,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        top_k: usize,
+        normalize: bool,
+        experts: &[crate::backend::ExpertMatrices<CudaMatrix>],
+    ) -> Option<CudaTensor> {
+        self.fn_moe_routed_on_device(x, logits, top_k, normalize, experts)
     }
     fn takes_interleaved_experts(&self) -> bool {
         true

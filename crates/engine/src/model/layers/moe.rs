@@ -17,6 +17,21 @@ pub trait RoutedExperts<B: Backend>: Send + Sync {
     /// `x` `[n, hidden]`, the router's choice per row → `Σ_j w_j · expert_j(x)`, `[n, hidden]`.
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act;
 
+    /// Routes and runs the experts without reading the routing back
+    /// ([`Backend::moe_routed_on_device`]): `None` where these experts or the backend cannot
+    /// (experts split between host and device need the routing on the host).
+    fn forward_routed_on_device(
+        &self,
+        b: &B,
+        x: &B::Act,
+        logits: &B::Act,
+        top_k: usize,
+        normalize: bool,
+    ) -> Option<B::Act> {
+        let _ = (b, x, logits, top_k, normalize);
+        None
+    }
+
     /// [`RoutedExperts::forward`], with the layer's other device work (the shared expert) to
     /// queue where the device runs it while these experts compute: `queue_device_work` runs
     /// exactly once, on this thread, before this returns. The default runs it first; experts
@@ -41,6 +56,17 @@ pub struct BackendExperts<B: Backend> {
 impl<B: Backend> RoutedExperts<B> for BackendExperts<B> {
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act {
         b.moe_experts(x, routing, &self.experts)
+    }
+
+    fn forward_routed_on_device(
+        &self,
+        b: &B,
+        x: &B::Act,
+        logits: &B::Act,
+        top_k: usize,
+        normalize: bool,
+    ) -> Option<B::Act> {
+        b.moe_routed_on_device(x, logits, top_k, normalize, &self.experts)
     }
 }
 
@@ -267,6 +293,16 @@ impl<B: Backend> SparseMoe<B> {
 
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
         let logits = b.linear(x, &self.router);
+        // Its gate is one logit per row, the router's last column.
+        let shared_gated =
+            || b.sigmoid_gate_rows(&self.shared.forward(b, x), &logits, self.num_experts);
+        if let Some(mut out) =
+            self.experts
+                .forward_routed_on_device(b, x, &logits, self.top_k, self.normalize)
+        {
+            b.add_assign(&mut out, &shared_gated());
+            return out;
+        }
         let routing = b.moe_route(
             &b.cols(&logits, 0..self.num_experts),
             self.top_k,
@@ -274,12 +310,10 @@ impl<B: Backend> SparseMoe<B> {
         );
         // The shared expert is queued while the routed experts compute (the device runs it
         // while host experts run on the CPU) and added after them: `routed + shared`, as ever.
-        // Its gate is one logit per row, the router's last column.
         let mut shared = None;
-        let mut out = self.experts.forward_overlapped(b, x, &routing, &mut || {
-            shared =
-                Some(b.sigmoid_gate_rows(&self.shared.forward(b, x), &logits, self.num_experts));
-        });
+        let mut out = self
+            .experts
+            .forward_overlapped(b, x, &routing, &mut || shared = Some(shared_gated()));
         let shared = shared.expect("forward_overlapped runs the device work it is given");
         b.add_assign(&mut out, &shared);
         out
