@@ -749,10 +749,8 @@ fn run_loop(
             .collect();
         // 5. Run it, then sample for every item that asked for logits: where every such item
         //    samples greedily, the model picks the tokens (on its device) and returns no logits.
-        let greedy = plan.iter().all(|p| {
-            let a = &active[p.index];
-            let wants_logits = p.decode || p.end == a.prompt.len();
-            !wants_logits || a.sampler.params().is_plain_greedy()
+        let greedy = plan.iter().zip(&batch).all(|(p, item)| {
+            item.logits == LogitsWanted::None || active[p.index].sampler.params().is_plain_greedy()
         });
         let result: anyhow::Result<Vec<StepOutput>> = if greedy {
             model
