@@ -314,15 +314,20 @@ extern "C" __global__ void moe_swiglu_bf16(const float* gu, u16* act, u64 rows, 
 }
 
 // out [n, hidden]: row r = Σ_t weights[r, t] · ys[slots[r, t]] (t in the host's order: ascending
-// expert); k entries per row.
+// expert); k entries per row. With `shared` ([n, hidden], the shared expert's output) it adds
+// shared · sigmoid(logits[r · logit_stride + col]), the gated shared expert, in the same pass
+// (Backend::moe_routed_on_device); the product is rounded before the add, as when
+// moe_shared_gate and add_assign compute it.
 extern "C" __global__ void moe_combine(const float* ys, const u32* slots, const float* weights, float* out, u64 n,
-                                       int hidden, int k) { KERNEL_START();
+                                       int hidden, int k, const float* shared, const float* logits, int logit_stride,
+                                       int col) { KERNEL_START();
     const u64 total = n * hidden;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / hidden;
         const int c = (int)(i - r * hidden);
         float acc = 0.0f;
         for (int t = 0; t < k; t++) acc += ys[(u64)slots[r * k + t] * hidden + c] * weights[r * k + t];
+        if (shared) acc += __fmul_rn(shared[i], sigmoid_f(logits[r * logit_stride + col]));
         out[i] = acc;
     }
 }

@@ -514,7 +514,8 @@ fn quantized_routed_experts_match_cpu() {
 /// there gives (the same kernels, the same order of sums), and matches the CPU: quantized
 /// experts (Flash-Next's IQ3_S gate‖up with Q2_0 down, and NVFP4) and dense BF16 ones, top 10
 /// of 64 from router logits with one column more (the shared expert's gate), both
-/// normalisations. It declines what it does not take: several rows, experts of mixed kinds.
+/// normalisations; and with the gated shared expert added in its combine. It declines what it
+/// does not take: several rows, experts of mixed kinds.
 #[test]
 fn device_routed_experts_equal_host_routing() {
     use capy_engine::backend::cpu::experts::RowFormat;
@@ -539,7 +540,7 @@ fn device_routed_experts_equal_host_routing() {
             let (lc, lg) = pair(&g, 1, count + 1, &logits);
             let (xc, xg) = pair(&g, 1, hidden, &r.vec(hidden, 1.0));
             let on_device = g
-                .moe_routed_on_device(&xg, &lg, k, normalize, eg)
+                .moe_routed_on_device(&xg, &lg, k, normalize, eg, None)
                 .unwrap_or_else(|| panic!("{what}: the device routing declined a decode row"));
             let routing = g.moe_route(&g.cols(&lg, 0..count), k, normalize);
             let on_host = g.moe_experts(&xg, &routing, eg);
@@ -554,13 +555,26 @@ fn device_routed_experts_equal_host_routing() {
                 &c.moe_experts(&xc, &cpu_routing, ec).data,
                 &format!("{what}, normalize {normalize}: device routing against the CPU"),
             );
+            // With the shared expert's output: its gate (the logits' last column) and the sum
+            // in the combine, as `sigmoid_gate_rows` then `add_assign`.
+            let shared = g.from_host(1, hidden, &r.vec(hidden, 1.0));
+            let with_shared = g
+                .moe_routed_on_device(&xg, &lg, k, normalize, eg, Some(&shared))
+                .unwrap_or_else(|| panic!("{what}: declined with a shared expert"));
+            let mut composed = g.moe_experts(&xg, &routing, eg);
+            g.add_assign(&mut composed, &g.sigmoid_gate_rows(&shared, &lg, count));
+            assert_eq!(
+                g.to_host(&with_shared),
+                g.to_host(&composed),
+                "{what}, normalize {normalize}: the shared expert added in the combine"
+            );
         }
     }
     let (_, (_, eg)) = &quantized[0];
     let two_rows = g.from_host(2, hidden, &r.vec(2 * hidden, 1.0));
     let two_logits = g.from_host(2, count + 1, &r.vec(2 * (count + 1), 1.0));
     assert!(
-        g.moe_routed_on_device(&two_rows, &two_logits, k, true, eg)
+        g.moe_routed_on_device(&two_rows, &two_logits, k, true, eg, None)
             .is_none(),
         "two rows are routed on the host"
     );
@@ -576,7 +590,8 @@ fn device_routed_experts_equal_host_routing() {
         g.from_host(1, count + 1, &r.vec(count + 1, 1.0)),
     );
     assert!(
-        g.moe_routed_on_device(&x1, &l1, k, true, &mixed).is_none(),
+        g.moe_routed_on_device(&x1, &l1, k, true, &mixed, None)
+            .is_none(),
         "experts of mixed kinds are routed on the host"
     );
 }

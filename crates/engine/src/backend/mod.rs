@@ -673,9 +673,11 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// [`Backend::moe_route`] over the first `experts.len()` columns of `logits` (the router's
     /// output, which may carry more columns) and [`Backend::moe_experts`] on that routing, in
-    /// one op that never reads the routing back: `None` where the backend cannot, and the
-    /// caller routes on the host. A device backend thereby keeps a decode step free of a host
-    /// round trip per MoE layer (48 a Flash-Next step).
+    /// one op that never reads the routing back; with `shared` (the shared expert's output)
+    /// it also adds `shared · sigmoid(logits[:, experts.len()])`, Flash-Next's gated shared
+    /// expert ([`Backend::sigmoid_gate_rows`] then [`Backend::add_assign`]). `None` where the
+    /// backend cannot, and the caller routes on the host. A device backend thereby keeps a
+    /// decode step free of a host round trip per MoE layer (48 a Flash-Next step).
     fn moe_routed_on_device(
         &self,
         x: &Self::Act,
@@ -683,8 +685,9 @@ pub trait Backend: Send + Sync + 'static {
         top_k: usize,
         normalize: bool,
         experts: &[ExpertMatrices<Self::Matrix>],
+        shared: Option<&Self::Act>,
     ) -> Option<Self::Act> {
-        let _ = (x, logits, top_k, normalize, experts);
+        let _ = (x, logits, top_k, normalize, experts, shared);
         None
     }
     /// Routed experts: row `r` gets `Σ_j w_j · down_e(silu(gate_e x) · up_e x)` over its routed

@@ -238,6 +238,11 @@ inline unsigned __float_as_uint(float f) {
 }
 inline float __int_as_float(int i) { return __uint_as_float((unsigned)i); }
 inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
+// A product rounded on its own (never contracted into an add).
+inline float __fmul_rn(float a, float b) {
+    volatile float p = a * b;
+    return p;
+}
 inline float __fdividef(float a, float b) { return a / b; }
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 inline float __expf(float x) { return expf(x); }

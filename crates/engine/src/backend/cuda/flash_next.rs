@@ -695,7 +695,8 @@ impl CudaBackend {
     /// take (all quantized alike, or all dense of one dtype). `moe_route` writes the picks on
     /// the device, `moe_device_groups` turns them into the grouped kernels' tables from the
     /// layer's expert table (uploaded once, `expert_table`), and the combine sums as after
-    /// host grouping: the same launches, bit for bit the same output, no host round trip.
+    /// host grouping (adding the gated shared expert, where given): the same arithmetic, bit
+    /// for bit the same output, no host round trip.
     pub(super) fn fn_moe_routed_on_device(
         &self,
         x: &CudaTensor,
@@ -703,11 +704,13 @@ impl CudaBackend {
         top_k: usize,
         normalize: bool,
         experts: &[ExpertMatrices<CudaMatrix>],
+        shared: Option<&CudaTensor>,
     ) -> Option<CudaTensor> {
         let e_count = experts.len();
         let usable = x.rows == 1
             && logits.rows == 1
-            && logits.cols >= e_count
+            && logits.cols >= e_count + shared.is_some() as usize
+            && shared.is_none_or(|s| (s.rows, s.cols) == (x.rows, x.cols))
             && (1..=MOE_DEVICE_MAX_K.min(e_count)).contains(&top_k)
             && e_count <= MOE_ROUTE_MAX_EXPERTS
             && x.cols > 0
@@ -747,8 +750,10 @@ impl CudaBackend {
             ys.ptr,
         );
         let out = self.alloc_act(1, hidden, 1);
+        let shared = shared.map_or(0, |s| s.ptr());
         launch!(self, "moe_combine", grid_1d(hidden), (256, 1, 1), 0;
-            ys.ptr, slots_ptr, sorted_weights, out.ptr(), 1u64, hidden as i32, top_k as i32);
+            ys.ptr, slots_ptr, sorted_weights, out.ptr(), 1u64, hidden as i32, top_k as i32,
+            shared, logits.ptr(), logits.cols as i32, e_count as i32);
         Some(out)
     }
 
@@ -886,7 +891,8 @@ impl CudaBackend {
             );
         }
         launch!(self, "moe_combine", grid_1d(n * hidden), (256, 1, 1), 0;
-            ys.ptr, slots_ptr, weights_ptr, out.ptr(), n as u64, hidden as i32, k as i32);
+            ys.ptr, slots_ptr, weights_ptr, out.ptr(), n as u64, hidden as i32, k as i32,
+            0u64, 0u64, 0i32, 0i32);
         out
     }
 

@@ -3141,8 +3141,9 @@ impl Backend for CudaBackend {
         top_k: usize,
         normalize: bool,
         experts: &[crate::backend::ExpertMatrices<CudaMatrix>],
+        shared: Option<&CudaTensor>,
     ) -> Option<CudaTensor> {
-        self.fn_moe_routed_on_device(x, logits, top_k, normalize, experts)
+        self.fn_moe_routed_on_device(x, logits, top_k, normalize, experts, shared)
     }
     fn takes_interleaved_experts(&self) -> bool {
         true

@@ -17,9 +17,16 @@ pub trait RoutedExperts<B: Backend>: Send + Sync {
     /// `x` `[n, hidden]`, the router's choice per row → `Σ_j w_j · expert_j(x)`, `[n, hidden]`.
     fn forward(&self, b: &B, x: &B::Act, routing: &MoeRouting) -> B::Act;
 
-    /// Routes and runs the experts without reading the routing back
-    /// ([`Backend::moe_routed_on_device`]): `None` where these experts or the backend cannot
-    /// (experts split between host and device need the routing on the host).
+    /// Whether [`RoutedExperts::forward_routed_on_device`] may route these experts on the
+    /// device (all of them on the backend); experts split between host and device need the
+    /// routing on the host.
+    fn routes_on_device(&self) -> bool {
+        false
+    }
+
+    /// Routes and runs the experts without reading the routing back, adding the gated
+    /// shared expert's output `shared` ([`Backend::moe_routed_on_device`]): `None` where the
+    /// backend cannot.
     fn forward_routed_on_device(
         &self,
         b: &B,
@@ -27,8 +34,9 @@ pub trait RoutedExperts<B: Backend>: Send + Sync {
         logits: &B::Act,
         top_k: usize,
         normalize: bool,
+        shared: &B::Act,
     ) -> Option<B::Act> {
-        let _ = (b, x, logits, top_k, normalize);
+        let _ = (b, x, logits, top_k, normalize, shared);
         None
     }
 
@@ -58,6 +66,10 @@ impl<B: Backend> RoutedExperts<B> for BackendExperts<B> {
         b.moe_experts(x, routing, &self.experts)
     }
 
+    fn routes_on_device(&self) -> bool {
+        true
+    }
+
     fn forward_routed_on_device(
         &self,
         b: &B,
@@ -65,8 +77,9 @@ impl<B: Backend> RoutedExperts<B> for BackendExperts<B> {
         logits: &B::Act,
         top_k: usize,
         normalize: bool,
+        shared: &B::Act,
     ) -> Option<B::Act> {
-        b.moe_routed_on_device(x, logits, top_k, normalize, &self.experts)
+        b.moe_routed_on_device(x, logits, top_k, normalize, &self.experts, Some(shared))
     }
 }
 
@@ -293,15 +306,22 @@ impl<B: Backend> SparseMoe<B> {
 
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
         let logits = b.linear(x, &self.router);
-        // Its gate is one logit per row, the router's last column.
-        let shared_gated =
-            || b.sigmoid_gate_rows(&self.shared.forward(b, x), &logits, self.num_experts);
-        if let Some(mut out) =
-            self.experts
-                .forward_routed_on_device(b, x, &logits, self.top_k, self.normalize)
-        {
-            b.add_assign(&mut out, &shared_gated());
-            return out;
+        // The shared expert's gate is one logit per row, the router's last column.
+        let gated = |shared: &B::Act| b.sigmoid_gate_rows(shared, &logits, self.num_experts);
+        let mut shared = None;
+        if self.experts.routes_on_device() {
+            // Experts all on the backend: the shared expert first (as the overlapped path
+            // queues it first), then routing, experts and the gated sum in one op where the
+            // backend keeps the routing on the device.
+            let s = self.shared.forward(b, x);
+            let (k, normalize) = (self.top_k, self.normalize);
+            if let Some(out) = self
+                .experts
+                .forward_routed_on_device(b, x, &logits, k, normalize, &s)
+            {
+                return out;
+            }
+            shared = Some(gated(&s));
         }
         let routing = b.moe_route(
             &b.cols(&logits, 0..self.num_experts),
@@ -310,10 +330,9 @@ impl<B: Backend> SparseMoe<B> {
         );
         // The shared expert is queued while the routed experts compute (the device runs it
         // while host experts run on the CPU) and added after them: `routed + shared`, as ever.
-        let mut shared = None;
-        let mut out = self
-            .experts
-            .forward_overlapped(b, x, &routing, &mut || shared = Some(shared_gated()));
+        let mut out = self.experts.forward_overlapped(b, x, &routing, &mut || {
+            shared.get_or_insert_with(|| gated(&self.shared.forward(b, x)));
+        });
         let shared = shared.expect("forward_overlapped runs the device work it is given");
         b.add_assign(&mut out, &shared);
         out
