@@ -43,9 +43,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifdef CAPY_EMULATED
+    return emu_f16_to_f32(h);  // the CPU emulator's (tests/cuda_emulated/emu.hpp)
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 // Round to nearest even, NaN kept quiet.

@@ -20,10 +20,17 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// `files` named in place of a kernel file: the backend's generated quantized-weight tables
+/// (`QT_IQ3S` and the others), as NVRTC compiles them before kernels/quant_matvec.cu.
+const QUANT_TABLES: &str = "<quant tables>";
+
 /// kernels/common.cuh and `files` rewritten for the emulator: inline PTX aborts, dynamic shared
 /// memory is the launch's buffer, static shared arrays are statics (one block at a time).
 fn emulator_source(files: &[&str]) -> String {
     let read = |p: &str| {
+        if p == QUANT_TABLES {
+            return capy_engine::backend::cuda::kernels::quant_tables();
+        }
         std::fs::read_to_string(repo_root().join(p)).unwrap_or_else(|e| panic!("reading {p}: {e}"))
     };
     let file = files.join(", ");
@@ -154,6 +161,12 @@ driver!(
 );
 
 driver!(sampling_driver, "sampling", ["kernels/sampling.cu"]);
+
+driver!(
+    moe_quant_decode_driver,
+    "moe_quant_decode",
+    ["<quant tables>", "kernels/moe_quant_decode.cu"]
+);
 
 driver!(
     conversions_driver,
@@ -472,6 +485,25 @@ fn device_argmax_picks_as_the_host_does() {
             &[cols, limit, chunk, 5],
             5,
             &format!("the emulated argmax ({limit} of {cols} values, parts of {chunk})"),
+        );
+    }
+}
+
+/// The decode step's grouped IQ3_S gate/up and Q2_0 down kernels against a double reference
+/// that dequantizes weight by weight (cuda_emulated/moe_quant_decode.cpp): Flash-Next's sizes
+/// (hidden 2560, intermediate 640: five steps a lane) with interleaved gate/up rows, and a
+/// smaller shape with the rows in halves and steps that do not divide evenly among the lanes.
+#[test]
+fn decode_expert_kernels_match_the_dequantized_reference() {
+    let Some(exe) = moe_quant_decode_driver() else {
+        return;
+    };
+    for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 1), (3, 768, 192, 0)] {
+        run_driver(
+            exe,
+            &[groups, hidden, inter, interleaved, 11],
+            2,
+            &format!("the emulated decode experts ({groups} groups, {hidden} x {inter})"),
         );
     }
 }

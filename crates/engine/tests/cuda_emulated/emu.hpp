@@ -244,6 +244,13 @@ inline float __fmul_rn(float a, float b) {
     return p;
 }
 inline float __fdividef(float a, float b) { return a / b; }
+// kernels/common.cuh `f16_to_f32` (PTX `cvt.f32.f16` on the GPU): every f16 is exact in f32.
+#define CAPY_EMULATED 1
+inline float emu_f16_to_f32(unsigned short h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const float mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(1024 + m), e - 25);
+    return h & 0x8000 ? -mag : mag;
+}
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 inline float __expf(float x) { return expf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }

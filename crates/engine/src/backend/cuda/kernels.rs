@@ -39,7 +39,7 @@ fn matvec_functions() -> Vec<String> {
 
 /// The quantized-weight tables as `__device__` arrays (values as f32 bit patterns), generated
 /// from the same statics the CPU decodes with, so the two cannot drift apart.
-fn quant_tables() -> String {
+pub fn quant_tables() -> String {
     use crate::quant::iq_tables::{IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
     fn table<T: std::fmt::LowerHex>(
         ty: &str,
@@ -83,6 +83,8 @@ fn quant_functions() -> Vec<String> {
             "moe_q_down",
             "moe_q_down_1",
             "moe_q_dequant",
+            "moe_iq3s_gate_up_1",
+            "moe_q2_0_down_1",
         ]
         .map(String::from),
     );
@@ -106,10 +108,11 @@ pub fn sources() -> Vec<KernelSource> {
     // moe_quant.cu (the hybrid cache's grouped quantized experts) decodes with quant_matvec.cu's
     // `qdecode8`, so it is compiled in the same module.
     let quant_body = format!(
-        "{}\n{}\n{}",
+        "{}\n{}\n{}\n{}",
         quant_tables(),
         include_str!("../../../../../kernels/quant_matvec.cu"),
-        include_str!("../../../../../kernels/moe_quant.cu")
+        include_str!("../../../../../kernels/moe_quant.cu"),
+        include_str!("../../../../../kernels/moe_quant_decode.cu")
     );
     let files: [(&str, &str, Vec<String>); 8] = [
         (
