@@ -31,6 +31,9 @@ use std::sync::atomic::Ordering;
 pub const MOE_MATVEC_MAX_ROWS: usize = 8;
 /// Output rows a warp of `moe_q_down` takes (`MOE_Q_DOWN_RPW` in moe_quant.cu).
 const MOE_Q_DOWN_ROWS_PER_WARP: usize = 1;
+/// kernels/moe_quant_decode.cu: output rows a warp of `moe_q2_0_down_1` takes
+/// (32 / `MOE_Q2_DOWN_LANES`).
+const MOE_Q2_DOWN_ROWS_PER_WARP: usize = 4;
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
 const QSA_SPLIT: usize = 128;
@@ -124,18 +127,24 @@ impl ExpertKinds {
 
     /// One group's entry: the expert's gate_up and down pointers, its first slot and row
     /// count, and (quantized) the two matrices' multipliers as f32 bits.
-    fn group(&self, ex: &ExpertMatrices<CudaMatrix>, first_slot: usize, rows: usize) -> Vec<u64> {
-        let mut g = vec![
+    /// A fixed-size array and its used length: no allocation per expert (the device routing
+    /// checks its cached table against every expert at every call).
+    fn group(
+        &self,
+        ex: &ExpertMatrices<CudaMatrix>,
+        first_slot: usize,
+        rows: usize,
+    ) -> ([u64; 6], usize) {
+        let mult = |q: Option<QuantLayout>| q.map_or(0, |q| q.multiplier.to_bits()) as u64;
+        let words = [
             ex.gate_up.buf.ptr,
             ex.down.buf.ptr,
             first_slot as u64,
             rows as u64,
+            mult(ex.gate_up.quant),
+            mult(ex.down.quant),
         ];
-        if self.quant.is_some() {
-            let mult = |q: Option<QuantLayout>| q.map_or(0, |q| q.multiplier.to_bits()) as u64;
-            g.extend([mult(ex.gate_up.quant), mult(ex.down.quant)]);
-        }
-        g
+        (words, self.group_len())
     }
 }
 
@@ -669,17 +678,32 @@ impl CudaBackend {
         let warps = 8usize;
         match kinds.quant {
             Some((gq, dq)) => {
-                // Every group one row (a decode step): the one-row kernels, with fewer registers.
-                let (gate_up, down) = if one_row {
-                    ("moe_q_gate_up_1", "moe_q_down_1")
+                use crate::quant::GgmlType as G;
+                let gate_up_grid = (ceil_div(inter, warps) as u32, count as u32, 1);
+                let block = (32 * warps as u32, 1, 1);
+                // Every group one row (a decode step): Flash-Next's IQ3_S / Q2_0 experts have
+                // kernels of their own (moe_quant_decode.cu); other formats the one-row
+                // kernels, with fewer registers.
+                let decode = one_row && self.inner.moe_decode_kernels;
+                if decode && gq.format == RowFormat::Ggml(G::Iq3S) && hidden.is_multiple_of(256) {
+                    launch!(self, "moe_iq3s_gate_up_1", gate_up_grid, block, 0;
+                        groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
+                        gq.row_bytes as u64, interleaved as i32);
                 } else {
-                    ("moe_q_gate_up", "moe_q_down")
-                };
-                launch!(self, gate_up, (ceil_div(inter, warps) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
-                    groups, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
-                    gq.row_bytes as u64, interleaved as i32);
-                launch!(self, down, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
-                    groups, act.ptr, ys, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
+                    let gate_up = if one_row { "moe_q_gate_up_1" } else { "moe_q_gate_up" };
+                    launch!(self, gate_up, gate_up_grid, block, 0;
+                        groups, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
+                        gq.row_bytes as u64, interleaved as i32);
+                }
+                if decode && dq.format == RowFormat::Ggml(G::Q2_0) && inter.is_multiple_of(64) {
+                    let rows_per_block = warps * MOE_Q2_DOWN_ROWS_PER_WARP;
+                    launch!(self, "moe_q2_0_down_1", (ceil_div(hidden, rows_per_block) as u32, count as u32, 1), block, 0;
+                        groups, act.ptr, ys, hidden as i32, inter as i32, dq.row_bytes as u64);
+                } else {
+                    let down = if one_row { "moe_q_down_1" } else { "moe_q_down" };
+                    launch!(self, down, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, count as u32, 1), block, 0;
+                        groups, act.ptr, ys, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
+                }
             }
             None => {
                 launch!(self, "moe_gate_up", (ceil_div(inter, warps) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;
@@ -749,11 +773,17 @@ impl CudaBackend {
             false,
             ys.ptr,
         );
-        let out = self.alloc_act(1, hidden, 1);
-        let shared = shared.map_or(0, |s| s.ptr());
+        let mut out = self.alloc_act(1, hidden, 1);
+        // `CAPY_MOE_SHARED_FUSED=0`: the gated shared expert in two launches of its own, to
+        // measure what the fused combine saves.
+        let fused = self.inner.moe_shared_fused.then_some(shared).flatten();
         launch!(self, "moe_combine", grid_1d(hidden), (256, 1, 1), 0;
             ys.ptr, slots_ptr, sorted_weights, out.ptr(), 1u64, hidden as i32, top_k as i32,
-            shared, logits.ptr(), logits.cols as i32, e_count as i32);
+            fused.map_or(0, |s| s.ptr()), logits.ptr(), logits.cols as i32, e_count as i32);
+        if let (None, Some(s)) = (fused, shared) {
+            let gated = self.sigmoid_gate_rows(s, logits, e_count);
+            self.add_assign(&mut out, &gated);
+        }
         Some(out)
     }
 
@@ -761,7 +791,7 @@ impl CudaBackend {
     /// expert), uploaded at the first call and kept: keyed by the experts' first pointer and
     /// checked against every pointer, so a table is never used for other experts.
     fn expert_table(&self, kinds: &ExpertKinds, experts: &[ExpertMatrices<CudaMatrix>]) -> u64 {
-        let host: Vec<u64> = experts.iter().flat_map(|e| kinds.group(e, 0, 0)).collect();
+        let entries = || experts.iter().map(|e| kinds.group(e, 0, 0));
         let key = experts[0].gate_up.buf.ptr;
         let mut tables = self
             .inner
@@ -769,10 +799,17 @@ impl CudaBackend {
             .lock()
             .expect("expert tables poisoned");
         if let Some((kept, dev)) = tables.get(&key) {
-            if *kept == host {
+            let stride = kinds.group_len();
+            if kept.len() == experts.len() * stride
+                && kept
+                    .chunks(stride)
+                    .zip(entries())
+                    .all(|(k, (words, len))| k == &words[..len])
+            {
                 return dev.ptr;
             }
         }
+        let host: Vec<u64> = entries().flat_map(|(w, len)| w.into_iter().take(len)).collect();
         let dev = self.upload(&host, "MoE expert table");
         let ptr = dev.ptr;
         tables.insert(key, (host, dev));
@@ -826,7 +863,8 @@ impl CudaBackend {
                 filled[r] += 1;
             }
             if kinds.grouped() && list.len() <= MOE_MATVEC_MAX_ROWS {
-                small.extend(kinds.group(&experts[e], off, list.len()));
+                let (words, len) = kinds.group(&experts[e], off, list.len());
+                small.extend_from_slice(&words[..len]);
             } else {
                 big.push((e, off, list.len()));
             }

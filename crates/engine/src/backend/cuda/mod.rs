@@ -486,6 +486,12 @@ struct Inner {
     /// A decode row's MoE routing kept on the device (`Backend::moe_routed_on_device`), unless
     /// `CAPY_MOE_DEVICE_ROUTING=0`.
     moe_device_routing: std::sync::atomic::AtomicBool,
+    /// The device-routed MoE adds the gated shared expert in its combine, unless
+    /// `CAPY_MOE_SHARED_FUSED=0`.
+    moe_shared_fused: bool,
+    /// Decode steps' IQ3_S / Q2_0 grouped experts on kernels/moe_quant_decode.cu, unless
+    /// `CAPY_MOE_DECODE_KERNELS=0` (then moe_quant.cu's one-row kernels).
+    moe_decode_kernels: bool,
     /// Each MoE layer's expert table for the device routing, by its first expert's pointer:
     /// the host copy (checked at every use) and the device one.
     expert_tables: Mutex<HashMap<u64, (Vec<u64>, DevBuf)>>,
@@ -1131,6 +1137,8 @@ impl CudaBackend {
                 moe_device_routing: std::sync::atomic::AtomicBool::new(enabled_unless_zero(
                     "CAPY_MOE_DEVICE_ROUTING",
                 )),
+                moe_shared_fused: enabled_unless_zero("CAPY_MOE_SHARED_FUSED"),
+                moe_decode_kernels: enabled_unless_zero("CAPY_MOE_DECODE_KERNELS"),
                 expert_tables: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
