@@ -5,29 +5,20 @@
 //     x value loaded serves QMV_RPW weight rows.
 //   quant_dequant_rows: rows of W (optionally picked by ids) widened to f32 or BF16 (prefill
 //     GEMM operands, embedding lookups).
-// The value tables (QT_E4M3, QT_E2M1: f32 bit patterns), lattices and sign tables (QT_*) are
-// generated from quant/{fp8,nvfp4,iq_tables}.rs and prepended by
-// backend/cuda/kernels.rs.
-
-#define QF_Q8_0 1
-#define QF_NVFP4 2
-#define QF_IQ3_S 3
-#define QF_IQ3_XXS 4
-#define QF_IQ2_XS 5
-#define QF_Q2_0 6
-#define QF_FP8 7
-// NVFP4 repacked for the GPU (backend/cuda/nvfp4_records.rs): each row a run of 1024-weight
-// records, 64 E4M3 scales (one per 16 weights) then 512 code bytes (byte k: weights 2k, 2k+1),
-// so that a warp reads a record's codes as 32 consecutive 16-byte loads.
-#define QF_NVFP4R 8
+// The block-format codes (QF_*: backend/cuda/mod.rs `QUANT_FORMAT_CODES`), the value tables
+// (QT_E4M3, QT_E2M1: f32 bit patterns), lattices and sign tables (QT_*) are generated from the
+// host's constants and quant/{fp8,nvfp4,iq_tables}.rs and prepended by backend/cuda/kernels.rs.
+//
+// QF_NVFP4R, NVFP4 repacked for the GPU (backend/cuda/nvfp4_records.rs): each row a run of
+// 1024-weight records, 64 E4M3 scales (one per 16 weights) then 512 code bytes (byte k:
+// weights 2k, 2k+1), so that a warp reads a record's codes as 32 consecutive 16-byte loads.
 #define NVFP4R_RECORD 576
 // IQ3_S repacked for the GPU (backend/cuda/iq3s_records.rs): each row a run of 1024-weight
 // records (4 blocks, 440 bytes), a 432-byte body of 16 slots of 64 weights, one per lane of a
 // half-warp, in four planes (slot i: 16 bytes of packed 9-bit grid indices at 16i, 8 bytes of
 // signs at IQ3SR_SIGNS + 8i, the indices' top 16 bits at IQ3SR_HIGH + 2i, two 4-bit scales at
 // IQ3SR_SCALES + i), and the 4 blocks' f16 d before the body when the record's address is
-// 8 mod 16, after it otherwise, so that the body is always 16-byte aligned.
-#define QF_IQ3SR 9
+// 8 mod 16, after it otherwise, so that the body is always 16-byte aligned (QF_IQ3SR).
 #define IQ3SR_RECORD 440
 #define IQ3SR_BODY 432
 #define IQ3SR_SIGNS 256

@@ -177,8 +177,14 @@ driver!(
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    run_driver_with(exe, &args, checks, what);
+}
+
+/// [`run_driver`] with arguments of any kind.
+fn run_driver_with(exe: &Path, args: &[impl AsRef<std::ffi::OsStr>], checks: usize, what: &str) {
     let out = Command::new(exe)
-        .args(args.iter().map(|a| a.to_string()))
+        .args(args)
         .output()
         .expect("running the emulated kernels");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -489,21 +495,31 @@ fn device_argmax_picks_as_the_host_does() {
     }
 }
 
-/// The decode step's grouped IQ3_S gate/up and Q2_0 down kernels against a double reference
-/// that dequantizes weight by weight (cuda_emulated/moe_quant_decode.cpp): Flash-Next's sizes
-/// (hidden 2560, intermediate 640: five steps a lane) with interleaved gate/up rows, and a
-/// smaller shape with the rows in halves and steps that do not divide evenly among the lanes.
+/// The decode step's grouped expert kernels (cuda_emulated/moe_quant_decode.cpp) against a
+/// double reference that dequantizes weight by weight: Flash-Next's IQ3_S / Q2_0 experts at
+/// its sizes (hidden 2560, intermediate 640: five steps a lane) with interleaved gate/up rows;
+/// NVFP4 throughout; and the remaining kernels (Q2_0 gate/up, IQ3_S down) on a smaller shape
+/// with the rows in halves, where the steps do not divide evenly among the lanes.
 #[test]
 fn decode_expert_kernels_match_the_dequantized_reference() {
     let Some(exe) = moe_quant_decode_driver() else {
         return;
     };
-    for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 1), (3, 768, 192, 0)] {
-        run_driver(
+    for (gate_up, down, groups, hidden, inter, interleaved) in [
+        ("iq3_s", "q2_0", 2, 2560, 640, 1),
+        ("nvfp4", "nvfp4", 2, 1280, 640, 1),
+        ("q2_0", "iq3_s", 3, 768, 256, 0),
+        ("nvfp4", "q2_0", 2, 320, 192, 0),
+    ] {
+        let args = [gate_up, down]
+            .map(String::from)
+            .into_iter()
+            .chain([groups, hidden, inter, interleaved, 11].map(|n: usize| n.to_string()));
+        run_driver_with(
             exe,
-            &[groups, hidden, inter, interleaved, 11],
+            &args.collect::<Vec<_>>(),
             2,
-            &format!("the emulated decode experts ({groups} groups, {hidden} x {inter})"),
+            &format!("the emulated decode experts ({gate_up}/{down}, {groups} groups, {hidden} x {inter})"),
         );
     }
 }

@@ -1,21 +1,18 @@
-// kernels/moe_quant_decode.cu on the CPU emulator (emu.hpp): the decode step's grouped IQ3_S
-// gate/up and Q2_0 down kernels against a double-precision reference that dequantizes each
-// weight by the GGUF block layouts (written out here, weight by weight), for random blocks.
-// Each group is one expert with one row of x (groups share rows, as a decode step's do not,
-// to check that each reads its own); gate and up rows interleaved or in halves.
+// kernels/moe_quant_decode.cu on the CPU emulator (emu.hpp): the decode step's grouped gate/up
+// and down kernels of one format pair (iq3_s, q2_0 or nvfp4 each) against a double-precision
+// reference that dequantizes each weight by the block layouts (written out here, weight by
+// weight), for random blocks. Each group is one expert with one row of x (groups share rows,
+// as a decode step's do not, to check that each reads its own); gate and up rows interleaved
+// or in halves.
 //
-// usage: moe_quant_decode groups hidden inter interleaved seed
+// usage: moe_quant_decode gate_up_format down_format groups hidden inter interleaved seed
 #include "emu.hpp"
 #include "kernels.inc"
 
 #include <random>
 #include <string>
 
-// A random f16 of magnitude 2^-8 .. 2^-5 (a weight block's scale), either sign.
-static unsigned short random_scale(std::mt19937_64& rng) {
-    const unsigned e = 7 + rng() % 3, m = rng() % 1024;
-    return (unsigned short)(((rng() & 1) << 15) | (e << 10) | m);
-}
+static float f16_bits(const unsigned char* b) { return emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))); }
 
 // Weight i (0..255) of the IQ3_S block at b: d·(1 + 2·scale) · ±grid byte.
 static double iq3s_weight(const unsigned char* b, int i) {
@@ -24,25 +21,78 @@ static double iq3s_weight(const unsigned char* b, int i) {
     const double mag = (QT_IQ3S[index] >> (8 * (i % 4))) & 255;
     const double sign = (b[74 + i / 8] >> (i % 8)) & 1 ? -1.0 : 1.0;
     const int scale = (b[106 + sub / 2] >> (4 * (sub % 2))) & 15;
-    return emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))) * (1.0 + 2.0 * scale) * sign * mag;
+    return f16_bits(b) * (1.0 + 2.0 * scale) * sign * mag;
 }
 
 // Weight i (0..63) of the Q2_0 block at b: d·(c - 1).
 static double q2_0_weight(const unsigned char* b, int i) {
     const int c = (b[2 + i / 4] >> (2 * (i % 4))) & 3;
-    return emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))) * (c - 1.0);
+    return f16_bits(b) * (c - 1.0);
+}
+
+// Weight i (0..63) of the NVFP4 block at b: E2M1 code (sign bit 3) times the E4M3 scale of its 16.
+static double nvfp4_weight(const unsigned char* b, int i) {
+    static const double e2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    const int c = (b[4 + i / 2] >> (4 * (i % 2))) & 15;
+    const int s = b[i / 16], e = (s >> 3) & 15, m = s & 7;
+    const double scale = (e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7)) * (s & 128 ? -1 : 1);
+    return (c & 8 ? -1 : 1) * e2m1[c & 7] * scale;
+}
+
+struct Format {
+    int block_weights, block_bytes;
+    double (*weight)(const unsigned char*, int);
+    // Writes sane scales over a block of random bytes.
+    void (*scales)(unsigned char*, std::mt19937_64&);
+};
+
+// A random f16 of magnitude 2^-8 .. 2^-5 (a block's d), either sign.
+static void f16_scale(unsigned char* b, std::mt19937_64& rng) {
+    const unsigned e = 7 + rng() % 3, m = rng() % 1024;
+    const unsigned short d = (unsigned short)(((rng() & 1) << 15) | (e << 10) | m);
+    std::memcpy(b, &d, 2);
+}
+
+// Four random E4M3 scales of magnitude 1/8 .. 3.75, either sign (no NaN codes).
+static void e4m3_scales(unsigned char* b, std::mt19937_64& rng) {
+    for (int j = 0; j < 4; j++) b[j] = (unsigned char)(((rng() & 1) << 7) | ((4 + rng() % 5) << 3) | (rng() % 8));
+}
+
+static Format format(const std::string& name) {
+    if (name == "iq3_s") return {256, 110, iq3s_weight, f16_scale};
+    if (name == "q2_0") return {64, 18, q2_0_weight, f16_scale};
+    if (name == "nvfp4") return {64, 36, nvfp4_weight, e4m3_scales};
+    std::fprintf(stderr, "unknown format %s (iq3_s, q2_0, nvfp4)\n", name.c_str());
+    std::exit(2);
+}
+
+// The format's kernels (moe_quant_decode.cu's instances).
+static void gate_up_kernel(const std::string& f, const u64* groups, const u32* rows, const float* x, float* act,
+                           int hidden, int inter, u64 row_bytes, int interleaved) {
+    if (f == "iq3_s") moe_dec_gate_up_iq3_s(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
+    if (f == "q2_0") moe_dec_gate_up_q2_0(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
+    if (f == "nvfp4") moe_dec_gate_up_nvfp4(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
+}
+static void down_kernel(const std::string& f, const u64* groups, const float* act, float* ys, int hidden, int inter,
+                        u64 row_bytes) {
+    if (f == "iq3_s") moe_dec_down_iq3_s(groups, act, ys, hidden, inter, row_bytes);
+    if (f == "q2_0") moe_dec_down_q2_0(groups, act, ys, hidden, inter, row_bytes);
+    if (f == "nvfp4") moe_dec_down_nvfp4(groups, act, ys, hidden, inter, row_bytes);
 }
 
 int main(int argc, char** argv) {
-    if (argc < 6) {
-        std::fprintf(stderr, "usage: %s groups hidden inter interleaved seed\n", argv[0]);
+    if (argc < 8) {
+        std::fprintf(stderr, "usage: %s gate_up_format down_format groups hidden inter interleaved seed\n", argv[0]);
         return 2;
     }
-    const int groups = std::stoi(argv[1]), hidden = std::stoi(argv[2]), inter = std::stoi(argv[3]);
-    const int interleaved = std::stoi(argv[4]);
-    std::mt19937_64 rng(std::stoull(argv[5]));
+    const std::string gu_name = argv[1], down_name = argv[2];
+    const Format gu = format(gu_name), dn = format(down_name);
+    const int groups = std::stoi(argv[3]), hidden = std::stoi(argv[4]), inter = std::stoi(argv[5]);
+    const int interleaved = std::stoi(argv[6]);
+    std::mt19937_64 rng(std::stoull(argv[7]));
     std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-    const size_t gu_row = (size_t)hidden / 256 * 110, down_row = (size_t)inter / 64 * 18;
+    const size_t gu_row = (size_t)hidden / gu.block_weights * gu.block_bytes;
+    const size_t down_row = (size_t)inter / dn.block_weights * dn.block_bytes;
     // Each expert: 2·inter gate/up rows, then hidden down rows, as one buffer.
     const size_t expert_bytes = 2 * inter * gu_row + hidden * down_row;
     std::vector<std::unique_ptr<unsigned char[]>> experts;
@@ -51,15 +101,10 @@ int main(int argc, char** argv) {
         unsigned char* e = experts.back().get();
         for (size_t i = 0; i < expert_bytes; i++) e[i] = (unsigned char)rng();
         for (int r = 0; r < 2 * inter; r++)
-            for (int b = 0; b < hidden / 256; b++) {
-                const unsigned short d = random_scale(rng);
-                std::memcpy(e + r * gu_row + 110 * b, &d, 2);
-            }
+            for (int b = 0; b < hidden / gu.block_weights; b++) gu.scales(e + r * gu_row + gu.block_bytes * b, rng);
         for (int r = 0; r < hidden; r++)
-            for (int b = 0; b < inter / 64; b++) {
-                const unsigned short d = random_scale(rng);
-                std::memcpy(e + 2 * inter * gu_row + r * down_row + 18 * b, &d, 2);
-            }
+            for (int b = 0; b < inter / dn.block_weights; b++)
+                dn.scales(e + 2 * inter * gu_row + r * down_row + dn.block_bytes * b, rng);
     }
     const int xrows = 2;
     std::unique_ptr<float[]> x(new float[(size_t)xrows * hidden]);
@@ -87,11 +132,11 @@ int main(int argc, char** argv) {
     std::unique_ptr<float[]> ys(new float[(size_t)groups * hidden]);
     const unsigned warps = 8;
     emu::launch({(unsigned)((inter + warps - 1) / warps), (unsigned)groups, 1}, {32 * warps, 1, 1}, 0, [&] {
-        moe_iq3s_gate_up_1(table.data(), rows.data(), x.get(), act.get(), hidden, inter, (u64)gu_row, interleaved);
+        gate_up_kernel(gu_name, table.data(), rows.data(), x.get(), act.get(), hidden, inter, (u64)gu_row, interleaved);
     });
-    const unsigned down_rows = warps * (32 / MOE_Q2_DOWN_LANES);
+    const unsigned down_rows = warps * (32 / MOE_DEC_DOWN_LANES);
     emu::launch({(unsigned)((hidden + down_rows - 1) / down_rows), (unsigned)groups, 1}, {32 * warps, 1, 1}, 0,
-                [&] { moe_q2_0_down_1(table.data(), act.get(), ys.get(), hidden, inter, (u64)down_row); });
+                [&] { down_kernel(down_name, table.data(), act.get(), ys.get(), hidden, inter, (u64)down_row); });
 
     // Errors relative to Σ|w·x| of each dot product (the scale of its rounding).
     double gu_err = 0, down_err = 0;
@@ -103,7 +148,8 @@ int main(int argc, char** argv) {
             for (int m = 0; m < 2; m++) {
                 const int r = interleaved ? 2 * o + m : m * inter + o;
                 for (int i = 0; i < hidden; i++) {
-                    const double p = iq3s_weight(e + r * gu_row + 110 * (i / 256), i % 256) * xr[i];
+                    const double p =
+                        gu.weight(e + r * gu_row + gu.block_bytes * (i / gu.block_weights), i % gu.block_weights) * xr[i];
                     dot[m] += p;
                     mag[m] += std::fabs(p);
                 }
@@ -120,7 +166,8 @@ int main(int argc, char** argv) {
         for (int o = 0; o < hidden; o++) {
             double dot = 0, mag = 0;
             for (int i = 0; i < inter; i++) {
-                const double p = q2_0_weight(down + o * down_row + 18 * (i / 64), i % 64) * act[(size_t)g * inter + i];
+                const double p = dn.weight(down + o * down_row + dn.block_bytes * (i / dn.block_weights), i % dn.block_weights) *
+                                 act[(size_t)g * inter + i];
                 dot += p;
                 mag += std::fabs(p);
             }
@@ -130,9 +177,11 @@ int main(int argc, char** argv) {
         }
     }
     bool ok = true;
-    std::printf("moe_iq3s_gate_up_1: max error %.3g of Σ|w·x|: %s\n", gu_err, gu_err <= 1e-5 ? "ok" : "TOO LARGE");
+    std::printf("moe_dec_gate_up_%s: max error %.3g of Σ|w·x|: %s\n", gu_name.c_str(), gu_err,
+                gu_err <= 1e-5 ? "ok" : "TOO LARGE");
     ok &= gu_err <= 1e-5;
-    std::printf("moe_q2_0_down_1: max error %.3g of Σ|w·x|: %s\n", down_err, down_err <= 1e-5 ? "ok" : "TOO LARGE");
+    std::printf("moe_dec_down_%s: max error %.3g of Σ|w·x|: %s\n", down_name.c_str(), down_err,
+                down_err <= 1e-5 ? "ok" : "TOO LARGE");
     ok &= down_err <= 1e-5;
     return ok ? 0 : 1;
 }

@@ -37,8 +37,9 @@ fn matvec_functions() -> Vec<String> {
     v
 }
 
-/// The quantized-weight tables as `__device__` arrays (values as f32 bit patterns), generated
-/// from the same statics the CPU decodes with, so the two cannot drift apart.
+/// The block-format codes (`#define QF_*`) and the quantized-weight tables as `__device__`
+/// arrays (values as f32 bit patterns), generated from the constants the host passes and the
+/// statics the CPU decodes with, so the two sides cannot drift apart.
 pub fn quant_tables() -> String {
     use crate::quant::iq_tables::{IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
     fn table<T: std::fmt::LowerHex>(
@@ -53,7 +54,10 @@ pub fn quant_tables() -> String {
             body.join(",")
         )
     }
-    let mut s = String::new();
+    let mut s: String = super::QUANT_FORMAT_CODES
+        .iter()
+        .map(|(name, code)| format!("#define {name} {code}\n"))
+        .collect();
     s += &table(
         "u32",
         "QT_E4M3",
@@ -83,11 +87,13 @@ fn quant_functions() -> Vec<String> {
             "moe_q_down",
             "moe_q_down_1",
             "moe_q_dequant",
-            "moe_iq3s_gate_up_1",
-            "moe_q2_0_down_1",
         ]
         .map(String::from),
     );
+    for format in ["iq3_s", "q2_0", "nvfp4"] {
+        v.push(format!("moe_dec_gate_up_{format}"));
+        v.push(format!("moe_dec_down_{format}"));
+    }
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
     v.push("quantize_x_q8r".into());

@@ -739,16 +739,33 @@ struct QuantLayout {
     multiplier: f32,
 }
 
-/// kernels/quant_matvec.cu `QF_NVFP4`: NVFP4 in the checkpoint's 36-byte blocks.
+/// The kernels' block-format codes (`QF_*`), defined for them by the generated prelude
+/// (kernels.rs `quant_tables`): the one place both sides take them from.
+const QF_Q8_0: i32 = 1;
+/// NVFP4 in the checkpoint's 36-byte blocks.
 const QF_NVFP4: i32 = 2;
-/// kernels/quant_matvec.cu `QF_NVFP4R`: NVFP4 repacked into records at upload
-/// (backend/cuda/nvfp4_records.rs).
-const QF_NVFP4R: i32 = 8;
-/// kernels/quant_matvec.cu `QF_IQ3_S`: IQ3_S in GGUF's 110-byte blocks.
+/// IQ3_S in GGUF's 110-byte blocks.
 const QF_IQ3_S: i32 = 3;
-/// kernels/quant_matvec.cu `QF_IQ3SR`: IQ3_S repacked into records at upload
-/// (backend/cuda/iq3s_records.rs).
+const QF_IQ3_XXS: i32 = 4;
+const QF_IQ2_XS: i32 = 5;
+const QF_Q2_0: i32 = 6;
+const QF_FP8: i32 = 7;
+/// NVFP4 repacked into records at upload (backend/cuda/nvfp4_records.rs).
+const QF_NVFP4R: i32 = 8;
+/// IQ3_S repacked into records at upload (backend/cuda/iq3s_records.rs).
 const QF_IQ3SR: i32 = 9;
+/// Every code by its kernel-side name.
+pub(crate) const QUANT_FORMAT_CODES: [(&str, i32); 9] = [
+    ("QF_Q8_0", QF_Q8_0),
+    ("QF_NVFP4", QF_NVFP4),
+    ("QF_IQ3_S", QF_IQ3_S),
+    ("QF_IQ3_XXS", QF_IQ3_XXS),
+    ("QF_IQ2_XS", QF_IQ2_XS),
+    ("QF_Q2_0", QF_Q2_0),
+    ("QF_FP8", QF_FP8),
+    ("QF_NVFP4R", QF_NVFP4R),
+    ("QF_IQ3SR", QF_IQ3SR),
+];
 // The producers' int8 copies (`wants_q8`) serve both records formats: one record width.
 const _: () = assert!(nvfp4_records::RECORD_WEIGHTS == iq3s_records::RECORD_WEIGHTS);
 
@@ -756,13 +773,13 @@ const _: () = assert!(nvfp4_records::RECORD_WEIGHTS == iq3s_records::RECORD_WEIG
 fn quant_code(format: RowFormat) -> Option<i32> {
     use crate::quant::GgmlType as G;
     Some(match format {
-        RowFormat::Ggml(G::Q8_0) => 1,
+        RowFormat::Ggml(G::Q8_0) => QF_Q8_0,
         RowFormat::Nvfp4 => QF_NVFP4,
         RowFormat::Ggml(G::Iq3S) => QF_IQ3_S,
-        RowFormat::Ggml(G::Iq3Xxs) => 4,
-        RowFormat::Ggml(G::Iq2Xs) => 5,
-        RowFormat::Ggml(G::Q2_0) => 6,
-        RowFormat::Fp8B128 => 7,
+        RowFormat::Ggml(G::Iq3Xxs) => QF_IQ3_XXS,
+        RowFormat::Ggml(G::Iq2Xs) => QF_IQ2_XS,
+        RowFormat::Ggml(G::Q2_0) => QF_Q2_0,
+        RowFormat::Fp8B128 => QF_FP8,
         RowFormat::Ggml(_) => return None,
     })
 }
