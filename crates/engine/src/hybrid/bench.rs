@@ -292,6 +292,7 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
             "measured_to_ledger_ratio": store_check.measured_to_ledger_ratio,
             "within_5_percent": store_check.within_5_percent,
             "process_after_store": mem_store,
+            "huge_pages": crate::backend::cpu::huge_pages::status(),
         },
         "with_cache": report(&cached),
         "all_on_cpu": report(&all_cpu),

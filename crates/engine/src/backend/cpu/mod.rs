@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod delta_rule;
 pub mod experts;
+pub mod huge_pages;
 pub mod hyper;
 pub mod matmul;
 pub mod moe;

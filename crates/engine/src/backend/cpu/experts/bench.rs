@@ -79,6 +79,10 @@ pub fn read_bandwidth(pool: &ExpertPool, bytes: usize, passes: usize) -> f64 {
     let threads = pool.threads();
     let words = bytes / 8 / threads / 64 * 64;
     let mut buf: Vec<u64> = Vec::with_capacity(words * threads);
+    // In huge pages as the expert store is (before the first touch below).
+    if crate::backend::cpu::huge_pages::wanted() {
+        crate::backend::cpu::huge_pages::advise(buf.spare_capacity_mut());
+    }
     let base = SharedPtr(buf.as_mut_ptr());
     let base = &base;
     // First touch by the worker that will read the chunk (NUMA placement).
@@ -299,6 +303,7 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
             "expert_weight_bytes": layout.weight_bytes(),
             "expert_set_bytes": set.bytes(),
         },
+        "huge_pages": crate::backend::cpu::huge_pages::status(),
         "read_bandwidth_gbps": bandwidth,
         "weights_gbps_mean": mean_gbps,
         "weights_gbps_median": median,

@@ -104,12 +104,13 @@ pub struct ExpertSet {
 }
 
 impl ExpertSet {
-    /// `experts` records with zero weights and multipliers 1.
+    /// `experts` records with zero weights and multipliers 1, in huge pages where the OS
+    /// gives them ([`huge_pages`](super::huge_pages): a decode step reads experts at random).
     pub fn zeroed(layout: ExpertLayout, experts: usize) -> ExpertSet {
         let mut set = ExpertSet {
             layout,
             experts,
-            data: vec![0u8; layout.record_bytes * experts],
+            data: super::huge_pages::zeroed(layout.record_bytes * experts),
         };
         for e in 0..experts {
             set.set_multipliers(e, [1.0; 3]);
