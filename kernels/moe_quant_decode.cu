@@ -1,42 +1,49 @@
-// Grouped routed experts for a decode step (every group one row) in the block formats
-// Flash-Next's experts come in: IQ3_S gate/up with Q2_0 down, NVFP4 throughout. They replace
-// moe_quant.cu's one-row kernels (moe_q_gate_up_1, moe_q_down_1) for these formats; the
-// groups table and the outputs are the same (moe_quant.cu's header).
+// Grouped routed experts for a decode step (every group one row) in the block formats of
+// Flash-Next's GGUF experts: IQ3_S gate/up, Q2_0 down. They replace moe_quant.cu's one-row
+// kernels (moe_q_gate_up_1, moe_q_down_1) for these formats; the groups table and the outputs
+// are the same (moe_quant.cu's header). NVFP4 experts keep moe_quant.cu's kernels: a version
+// here with a shared byte → 2 × E2M1 table ran 0.93x their decode step (H200, same-run A/B).
 //
 // Why kernels of their own: qdecode8 decodes 8 weights a call, so every 8 weights cost their
 // own dependent loads of the block's scale, sign and index bytes, and IQ3_S's grid is looked
 // up in global memory; under ncu (H100) the one-row kernels read 0.4-0.5 TB/s. Here a lane
-// takes 16 weights a step (one or two loads a field), the format's value table is expanded to
-// f32 in shared memory (one load gives 2 or 4 weights), and a down row is split over 8 lanes,
-// so that for Flash-Next's sizes (hidden 2560, intermediate 640) every lane has 5 steps.
+// takes 16 weights a step (one or two loads a field), the IQ3_S grid is in shared memory, the
+// weights become floats without int-to-float conversions, and a down row is split over 8
+// lanes, so that for Flash-Next's sizes (hidden 2560, intermediate 640) every lane has 5 steps.
 //
 // Arithmetic: per 16 weights Σ value · x in f32 times the step's block scale (IQ3_S
-// d·(1 + 2s), Q2_0 d, NVFP4 the E4M3 scale), then the expert's multiplier. The rounding differs
+// d·(1 + 2s), Q2_0 d), then the expert's multiplier. The rounding differs
 // from qdecode8's (which scales each weight first) by reassociation only.
 
-// Shared memory a kernel's table takes (the largest: IQ3_S's grid as 512 float4).
-#define DEC_TABLE_FLOAT4 512
+// Shared memory a kernel's table takes, in u32 (the largest: IQ3_S's grid).
+#define DEC_TABLE_WORDS 512
 
 template <int FMT>
 struct Step16;
 
-// IQ3_S: 110-byte blocks of 256 weights (moe_quant_decode's step `s` is 16 of them). Table:
-// the 512 grid entries as 4 floats each.
+// A byte b as the float b without an int-to-float conversion (a quarter-rate instruction):
+// 0x4B0000bb is the float 2^23 + b, and subtracting 2^23 is exact.
+__device__ __forceinline__ float byte_as_float(u32 word, int j) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u + j)) - 8388608.0f;
+}
+
+// IQ3_S: 110-byte blocks of 256 weights (a step is 16 of them). Table: the 512 grid entries
+// (4 magnitude bytes each) in shared memory, 2 KiB; each byte becomes a float as above. A
+// first version expanded the grid to 512 float4 (8 KiB): its 16-byte lookups at random
+// entries conflict in the banks (about 12 wavefronts a lookup against about 4), and the
+// decode step ran 0.925x moe_q_gate_up_1's (H200, same-run A/B).
 template <>
 struct Step16<QF_IQ3_S> {
     static constexpr int BLOCK_WEIGHTS = 256, BLOCK_BYTES = 110;
-    __device__ static void fill(float4* t) {
-        for (int i = threadIdx.x; i < 512; i += blockDim.x) {
-            const u32 g = QT_IQ3S[i];
-            t[i] = make_float4((float)(g & 255), (float)((g >> 8) & 255), (float)((g >> 16) & 255), (float)(g >> 24));
-        }
+    __device__ static void fill(u32* t) {
+        for (int i = threadIdx.x; i < 512; i += blockDim.x) t[i] = QT_IQ3S[i];
     }
     // ±v: negated where bit `bit` of `signs` is set.
     __device__ static float signed_value(float v, u32 signs, int bit) {
         return __uint_as_float(__float_as_uint(v) ^ ((signs << (31 - bit)) & 0x80000000u));
     }
     // Σ w · x over weights 16s..16s+15 of the block at b, unscaled; the scale in `scale`.
-    __device__ static float dot(const unsigned char* b, int s, const float4* t, const float4* x, float& scale) {
+    __device__ static float dot(const unsigned char* b, int s, const u32* t, const float4* x, float& scale) {
         const u16* b16 = (const u16*)b;
         const u32 qs = (u32)b16[1 + 2 * s] | ((u32)b16[2 + 2 * s] << 16);
         const u32 qh = (b[66 + (s >> 1)] >> (4 * (s & 1))) & 15u;
@@ -46,75 +53,35 @@ struct Step16<QF_IQ3_S> {
         float acc = 0.0f;
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const float4 g = t[((qs >> (8 * e)) & 255u) | (((qh >> e) & 1u) << 8)];
-            acc = fmaf(signed_value(g.x, signs, 4 * e), x[e].x, acc);
-            acc = fmaf(signed_value(g.y, signs, 4 * e + 1), x[e].y, acc);
-            acc = fmaf(signed_value(g.z, signs, 4 * e + 2), x[e].z, acc);
-            acc = fmaf(signed_value(g.w, signs, 4 * e + 3), x[e].w, acc);
+            const u32 g = t[((qs >> (8 * e)) & 255u) | (((qh >> e) & 1u) << 8)];
+            acc = fmaf(signed_value(byte_as_float(g, 0), signs, 4 * e), x[e].x, acc);
+            acc = fmaf(signed_value(byte_as_float(g, 1), signs, 4 * e + 1), x[e].y, acc);
+            acc = fmaf(signed_value(byte_as_float(g, 2), signs, 4 * e + 2), x[e].z, acc);
+            acc = fmaf(signed_value(byte_as_float(g, 3), signs, 4 * e + 3), x[e].w, acc);
         }
         return acc;
     }
 };
 
 // Q2_0: 18-byte blocks of 64 weights (f16 d, then 2-bit codes c, four a byte, low bits
-// first), weight d·(c - 1). Table: a code byte's four weights c - 1.
+// first), weight d·(c - 1). No table (the first version's 16-byte lookups of a byte's four
+// values conflicted in the banks: 22 µs a layer under ncu on the H200 against moe_q_down_1's
+// 13 on the H100): 0x4B000000 | c is the float 2^23 + c, less 2^23 + 1 it is c - 1 exactly.
 template <>
 struct Step16<QF_Q2_0> {
     static constexpr int BLOCK_WEIGHTS = 64, BLOCK_BYTES = 18;
-    __device__ static void fill(float4* t) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x)
-            t[i] = make_float4((float)((i & 3) - 1), (float)(((i >> 2) & 3) - 1), (float)(((i >> 4) & 3) - 1),
-                               (float)((i >> 6) - 1));
-    }
-    __device__ static float dot(const unsigned char* b, int s, const float4* t, const float4* x, float& scale) {
+    __device__ static void fill(u32*) {}
+    __device__ static float dot(const unsigned char* b, int s, const u32*, const float4* x, float& scale) {
         const u16* b16 = (const u16*)b;
         const u32 codes = (u32)b16[1 + 2 * s] | ((u32)b16[2 + 2 * s] << 16);
         scale = f16_to_f32(b16[0]);
         float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float4 v = t[(codes >> (8 * j)) & 255u];
-            acc = fmaf(v.x, x[j].x, acc);
-            acc = fmaf(v.y, x[j].y, acc);
-            acc = fmaf(v.z, x[j].z, acc);
-            acc = fmaf(v.w, x[j].w, acc);
-        }
-        return acc;
-    }
-};
-
-// NVFP4 in the checkpoint's 36-byte blocks of 64 weights: 4 E4M3 scales (one per 16), then
-// 32 bytes of E2M1 codes, low nibble first. Table: a code byte's two E2M1 values (256 float2),
-// then the 256 E4M3 values.
-template <>
-struct Step16<QF_NVFP4> {
-    static constexpr int BLOCK_WEIGHTS = 64, BLOCK_BYTES = 36;
-    __device__ static void fill(float4* t) {
-        float2* pairs = (float2*)t;
-        float* e4m3 = (float*)(pairs + 256);
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-            pairs[i] = make_float2(__uint_as_float(QT_E2M1[i & 15]), __uint_as_float(QT_E2M1[i >> 4]));
-            e4m3[i] = __uint_as_float(QT_E4M3[i]);
-        }
-    }
-    __device__ static float dot(const unsigned char* b, int s, const float4* t, const float4* x, float& scale) {
-        const float2* pairs = (const float2*)t;
-        scale = ((const float*)(pairs + 256))[b[s]];
-        const u32* c = (const u32*)(b + 4 + 8 * s);
-        const u32 codes[2] = {c[0], c[1]};
-        float acc = 0.0f;
+        for (int e = 0; e < 4; e++) {
+            const float xs[4] = {x[e].x, x[e].y, x[e].z, x[e].w};
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const float2 v0 = pairs[(codes[h] >> (16 * j)) & 255u];
-                const float2 v1 = pairs[(codes[h] >> (16 * j + 8)) & 255u];
-                const float4 xv = x[2 * h + j];
-                acc = fmaf(v0.x, xv.x, acc);
-                acc = fmaf(v0.y, xv.y, acc);
-                acc = fmaf(v1.x, xv.z, acc);
-                acc = fmaf(v1.y, xv.w, acc);
-            }
+            for (int j = 0; j < 4; j++)
+                acc = fmaf(__uint_as_float(((codes >> (8 * e + 2 * j)) & 3u) | 0x4B000000u) - 8388609.0f, xs[j], acc);
         }
         return acc;
     }
@@ -127,7 +94,7 @@ template <int FMT>
 __device__ __forceinline__ void moe_dec_gate_up(const u64* groups, const u32* rows, const float* x, float* act,
                                                 int hidden, int inter, u64 row_bytes, int interleaved) {
     typedef Step16<FMT> F;
-    __shared__ float4 table[DEC_TABLE_FLOAT4];
+    __shared__ u32 table[DEC_TABLE_WORDS];
     F::fill(table);
     __syncthreads();
     const int lane = threadIdx.x & 31;
@@ -168,7 +135,7 @@ template <int FMT>
 __device__ __forceinline__ void moe_dec_down(const u64* groups, const float* act, float* ys, int hidden, int inter,
                                              u64 row_bytes) {
     typedef Step16<FMT> F;
-    __shared__ float4 table[DEC_TABLE_FLOAT4];
+    __shared__ u32 table[DEC_TABLE_WORDS];
     F::fill(table);
     __syncthreads();
     const int lane = threadIdx.x & 31, sub = lane % MOE_DEC_DOWN_LANES;
@@ -213,4 +180,3 @@ __device__ __forceinline__ void moe_dec_down(const u64* groups, const float* act
     }
 MOE_DEC_KERNELS(iq3_s, QF_IQ3_S)
 MOE_DEC_KERNELS(q2_0, QF_Q2_0)
-MOE_DEC_KERNELS(nvfp4, QF_NVFP4)

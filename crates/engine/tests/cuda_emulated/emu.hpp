@@ -248,6 +248,17 @@ inline float __fmul_rn(float a, float b) {
     return p;
 }
 inline float __fdividef(float a, float b) { return a / b; }
+// PTX prmt: byte k of the result is byte (s >> 4k) & 7 of the pair y:x, or that byte's sign
+// replicated where bit 3 of the selector nibble is set.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long pair = (unsigned long long)y << 32 | x;
+    unsigned r = 0;
+    for (int k = 0; k < 4; k++) {
+        const unsigned sel = (s >> (4 * k)) & 15, b = (pair >> (8 * (sel & 7))) & 255;
+        r |= (sel & 8 ? (b & 128 ? 255u : 0u) : b) << (8 * k);
+    }
+    return r;
+}
 // kernels/common.cuh `f16_to_f32` (PTX `cvt.f32.f16` on the GPU): every f16 is exact in f32.
 #define CAPY_EMULATED 1
 inline float emu_f16_to_f32(unsigned short h) {

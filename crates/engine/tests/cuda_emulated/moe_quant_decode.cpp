@@ -1,5 +1,5 @@
 // kernels/moe_quant_decode.cu on the CPU emulator (emu.hpp): the decode step's grouped gate/up
-// and down kernels of one format pair (iq3_s, q2_0 or nvfp4 each) against a double-precision
+// and down kernels of one format pair (iq3_s or q2_0 each) against a double-precision
 // reference that dequantizes each weight by the block layouts (written out here, weight by
 // weight), for random blocks. Each group is one expert with one row of x (groups share rows,
 // as a decode step's do not, to check that each reads its own); gate and up rows interleaved
@@ -30,15 +30,6 @@ static double q2_0_weight(const unsigned char* b, int i) {
     return f16_bits(b) * (c - 1.0);
 }
 
-// Weight i (0..63) of the NVFP4 block at b: E2M1 code (sign bit 3) times the E4M3 scale of its 16.
-static double nvfp4_weight(const unsigned char* b, int i) {
-    static const double e2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-    const int c = (b[4 + i / 2] >> (4 * (i % 2))) & 15;
-    const int s = b[i / 16], e = (s >> 3) & 15, m = s & 7;
-    const double scale = (e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7)) * (s & 128 ? -1 : 1);
-    return (c & 8 ? -1 : 1) * e2m1[c & 7] * scale;
-}
-
 struct Format {
     int block_weights, block_bytes;
     double (*weight)(const unsigned char*, int);
@@ -53,16 +44,10 @@ static void f16_scale(unsigned char* b, std::mt19937_64& rng) {
     std::memcpy(b, &d, 2);
 }
 
-// Four random E4M3 scales of magnitude 1/8 .. 3.75, either sign (no NaN codes).
-static void e4m3_scales(unsigned char* b, std::mt19937_64& rng) {
-    for (int j = 0; j < 4; j++) b[j] = (unsigned char)(((rng() & 1) << 7) | ((4 + rng() % 5) << 3) | (rng() % 8));
-}
-
 static Format format(const std::string& name) {
     if (name == "iq3_s") return {256, 110, iq3s_weight, f16_scale};
     if (name == "q2_0") return {64, 18, q2_0_weight, f16_scale};
-    if (name == "nvfp4") return {64, 36, nvfp4_weight, e4m3_scales};
-    std::fprintf(stderr, "unknown format %s (iq3_s, q2_0, nvfp4)\n", name.c_str());
+    std::fprintf(stderr, "unknown format %s (iq3_s, q2_0)\n", name.c_str());
     std::exit(2);
 }
 
@@ -71,13 +56,11 @@ static void gate_up_kernel(const std::string& f, const u64* groups, const u32* r
                            int hidden, int inter, u64 row_bytes, int interleaved) {
     if (f == "iq3_s") moe_dec_gate_up_iq3_s(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
     if (f == "q2_0") moe_dec_gate_up_q2_0(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
-    if (f == "nvfp4") moe_dec_gate_up_nvfp4(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
 }
 static void down_kernel(const std::string& f, const u64* groups, const float* act, float* ys, int hidden, int inter,
                         u64 row_bytes) {
     if (f == "iq3_s") moe_dec_down_iq3_s(groups, act, ys, hidden, inter, row_bytes);
     if (f == "q2_0") moe_dec_down_q2_0(groups, act, ys, hidden, inter, row_bytes);
-    if (f == "nvfp4") moe_dec_down_nvfp4(groups, act, ys, hidden, inter, row_bytes);
 }
 
 int main(int argc, char** argv) {

@@ -41,7 +41,6 @@ fn decode_expert_kernels(code: i32, cols: usize) -> Option<[&'static str; 2]> {
     let (names, block) = match code {
         super::QF_IQ3_S => (["moe_dec_gate_up_iq3_s", "moe_dec_down_iq3_s"], 256),
         super::QF_Q2_0 => (["moe_dec_gate_up_q2_0", "moe_dec_down_q2_0"], 64),
-        super::QF_NVFP4 => (["moe_dec_gate_up_nvfp4", "moe_dec_down_nvfp4"], 64),
         _ => return None,
     };
     cols.is_multiple_of(block).then_some(names)

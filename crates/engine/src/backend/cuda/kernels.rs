@@ -90,7 +90,7 @@ fn quant_functions() -> Vec<String> {
         ]
         .map(String::from),
     );
-    for format in ["iq3_s", "q2_0", "nvfp4"] {
+    for format in ["iq3_s", "q2_0"] {
         v.push(format!("moe_dec_gate_up_{format}"));
         v.push(format!("moe_dec_down_{format}"));
     }
