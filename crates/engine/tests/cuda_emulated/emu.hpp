@@ -187,10 +187,6 @@ struct alignas(8) uint2 {
     unsigned x, y;
 };
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
-struct alignas(8) float2 {
-    float x, y;
-};
-inline float2 make_float2(float x, float y) { return {x, y}; }
 
 using std::max;
 using std::min;

@@ -31,19 +31,10 @@ use std::sync::atomic::Ordering;
 pub const MOE_MATVEC_MAX_ROWS: usize = 8;
 /// Output rows a warp of `moe_q_down` takes (`MOE_Q_DOWN_RPW` in moe_quant.cu).
 const MOE_Q_DOWN_ROWS_PER_WARP: usize = 1;
-/// kernels/moe_quant_decode.cu: output rows a warp of `moe_dec_down_*` takes
-/// (32 / `MOE_DEC_DOWN_LANES`).
-const MOE_DEC_DOWN_ROWS_PER_WARP: usize = 4;
-
-/// kernels/moe_quant_decode.cu's kernels `[gate_up, down]` for rows of `cols` weights in
-/// format `code`, where they take it: raw blocks (not the records repacks), whole blocks.
-fn decode_expert_kernels(code: i32, cols: usize) -> Option<[&'static str; 2]> {
-    let (names, block) = match code {
-        super::QF_IQ3_S => (["moe_dec_gate_up_iq3_s", "moe_dec_down_iq3_s"], 256),
-        super::QF_Q2_0 => (["moe_dec_gate_up_q2_0", "moe_dec_down_q2_0"], 64),
-        _ => return None,
-    };
-    cols.is_multiple_of(block).then_some(names)
+/// kernels/moe_quant_decode.cu's gate/up kernel for rows of `cols` weights in format `code`,
+/// where it takes them: IQ3_S in raw blocks (not the records repack), whole blocks.
+fn decode_gate_up_kernel(code: i32, cols: usize) -> Option<&'static str> {
+    (code == super::QF_IQ3_S && cols.is_multiple_of(256)).then_some("moe_dec_gate_up_iq3_s")
 }
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
@@ -691,12 +682,12 @@ impl CudaBackend {
             Some((gq, dq)) => {
                 let gate_up_grid = (ceil_div(inter, warps) as u32, count as u32, 1);
                 let block = (32 * warps as u32, 1, 1);
-                // Every group one row (a decode step): the formats of Flash-Next's experts have
-                // kernels of their own (moe_quant_decode.cu); others the one-row kernels, with
-                // fewer registers than the several-row ones.
+                // Every group one row (a decode step): IQ3_S gate/up rows (Flash-Next's GGUF
+                // experts) have a kernel of its own (moe_quant_decode.cu); other formats the
+                // one-row kernels, with fewer registers than the several-row ones.
                 let decode = one_row && self.inner.moe_decode_kernels;
-                match decode_expert_kernels(gq.code, hidden).filter(|_| decode) {
-                    Some([name, _]) => launch!(self, name, gate_up_grid, block, 0;
+                match decode_gate_up_kernel(gq.code, hidden).filter(|_| decode) {
+                    Some(name) => launch!(self, name, gate_up_grid, block, 0;
                         groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
                         gq.row_bytes as u64, interleaved as i32),
                     None => {
@@ -705,17 +696,13 @@ impl CudaBackend {
                         gq.row_bytes as u64, interleaved as i32)
                     }
                 }
-                match decode_expert_kernels(dq.code, inter).filter(|_| decode) {
-                    Some([_, name]) => {
-                        let rows_per_block = warps * MOE_DEC_DOWN_ROWS_PER_WARP;
-                        launch!(self, name, (ceil_div(hidden, rows_per_block) as u32, count as u32, 1), block, 0;
-                            groups, act.ptr, ys, hidden as i32, inter as i32, dq.row_bytes as u64)
-                    }
-                    None => {
-                        launch!(self, if one_row { "moe_q_down_1" } else { "moe_q_down" }, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, count as u32, 1), block, 0;
-                        groups, act.ptr, ys, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64)
-                    }
-                }
+                let down = if one_row {
+                    "moe_q_down_1"
+                } else {
+                    "moe_q_down"
+                };
+                launch!(self, down, (ceil_div(hidden, warps * MOE_Q_DOWN_ROWS_PER_WARP) as u32, count as u32, 1), block, 0;
+                    groups, act.ptr, ys, dq.code, hidden as i32, inter as i32, dq.row_bytes as u64);
             }
             None => {
                 launch!(self, "moe_gate_up", (ceil_div(inter, warps) as u32, count as u32, 1), (32 * warps as u32, 1, 1), 0;

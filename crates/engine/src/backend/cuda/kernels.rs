@@ -90,10 +90,7 @@ fn quant_functions() -> Vec<String> {
         ]
         .map(String::from),
     );
-    for format in ["iq3_s", "q2_0"] {
-        v.push(format!("moe_dec_gate_up_{format}"));
-        v.push(format!("moe_dec_down_{format}"));
-    }
+    v.push("moe_dec_gate_up_iq3_s".into());
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
     v.push("quantize_x_q8r".into());

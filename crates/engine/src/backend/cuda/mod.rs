@@ -489,8 +489,8 @@ struct Inner {
     /// The device-routed MoE adds the gated shared expert in its combine, unless
     /// `CAPY_MOE_SHARED_FUSED=0`.
     moe_shared_fused: bool,
-    /// Decode steps' IQ3_S / Q2_0 grouped experts on kernels/moe_quant_decode.cu, unless
-    /// `CAPY_MOE_DECODE_KERNELS=0` (then moe_quant.cu's one-row kernels).
+    /// Decode steps' grouped IQ3_S gate/up experts on kernels/moe_quant_decode.cu, unless
+    /// `CAPY_MOE_DECODE_KERNELS=0` (then moe_quant.cu's one-row kernel).
     moe_decode_kernels: bool,
     /// Each MoE layer's expert table for the device routing, by its first expert's pointer:
     /// the host copy (checked at every use) and the device one.
