@@ -6,7 +6,11 @@
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
 # (qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
 # 27B NVFP4 decode kernels into $OUT/ncu-detail.txt; NCU_DECODE ("name:model:format …") one
-# decode step's kernels of each under ncu into $OUT/<name>.json. Logs: $OUT/logs.tgz.
+# decode step's kernels of each under ncu into $OUT/<name>.json. HYBRID_CASES
+# ("format:VAR=value …") the hybrid bench at a 15 GiB budget, default and under VAR=value, as
+# hybrid-<format>.json and hybrid-<format>-<VAR>.json; CPU_TOPK ("k …") the IQ3_S CPU expert
+# bench at 16 threads for each top-k, as cpu-experts-iq3_s-top<k>.json (per-call fixed cost:
+# the intercept of time against experts). Logs: $OUT/logs.tgz.
 source tools/gpu_box/common.sh
 for t in $TESTS; do
   step "$t" 150 ".gpu/tests/$t" --test-threads=1
@@ -29,6 +33,19 @@ if [ -n "$BASE_FN" ]; then
   xz -dc .gpu-base/capy-flash.xz > /tmp/capy-base && chmod +x /tmp/capy-base
   bench qwen3.8-flash-next-iq3_s-base /tmp/capy-base qwen3.8-flash-next iq3_s
 fi
+hybrid() { # out-name format
+  step "$1" 170 .gpu/capy-flash bench --out "$LOGS/$1.json" hybrid --format "$2" \
+    --vram-budget 15GiB --threads 16 --layers 8 --tokens 64
+}
+for case in $HYBRID_CASES; do
+  format=${case%%:*} setting=${case#*:}
+  [ -f "$LOGS/hybrid-$format.json" ] || hybrid "hybrid-$format" "$format"
+  ( export "$setting"; hybrid "hybrid-$format-${setting%%=*}" "$format" )
+done
+for k in $CPU_TOPK; do
+  step "cpu-experts-iq3_s-top$k" 90 .gpu/capy-flash bench --out "$LOGS/cpu-experts-iq3_s-top$k.json" \
+    cpu-experts --format iq3_s --threads 16 --batch 1 --top-k "$k"
+done
 for profile in $NCU_DECODE; do
   name=${profile%%:*} rest=${profile#*:}
   ncu_decode_profile "$name" --synthetic "${rest%%:*}" --quant "${rest#*:}"
