@@ -351,7 +351,7 @@ fn moe_routing_picks_the_stable_top_k_with_ties_at_the_top() {
         run_driver(
             exe,
             &[rows, experts, k, normalize, 11],
-            2,
+            3,
             &format!(
                 "the emulated routing ({rows} rows, top {k} of {experts}, normalize {normalize})"
             ),

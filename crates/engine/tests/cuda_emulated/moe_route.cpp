@@ -1,6 +1,7 @@
 // kernels/moe.cu `moe_route` on the CPU emulator (emu.hpp): each row's softmax over the router
 // logits, its top k (equal probabilities: the lower expert first, as the CPU's stable sort) and
-// their weights, against a double-precision reference. The logits are well apart except for
+// their weights, against a double-precision reference; then `moe_device_groups` on row 0's
+// picks against a stable sort by expert. The logits are well apart except for
 // planted exact duplicates, so the order is decided the same way in f32 and f64.
 //
 // usage: moe_route rows experts k normalize seed
@@ -63,5 +64,33 @@ int main(int argc, char** argv) {
     ok &= wrong == 0;
     std::printf("moe_route weights: max relative error %.3g: %s\n", werr, werr <= 1e-5 ? "ok" : "TOO LARGE");
     ok &= werr <= 1e-5;
+
+    // moe_device_groups on row 0's picks: the groups in ascending expert order (a stable sort),
+    // each with its expert's table entry, slot = its place, one row, and the pick's weight.
+    const int stride = 6;
+    std::vector<u64> table((size_t)experts * stride);
+    for (int e = 0; e < experts; e++)
+        for (int c = 0; c < stride; c++) table[(size_t)e * stride + c] = 1000ull * e + c;
+    std::vector<u64> groups((size_t)k * stride, ~0ull);
+    std::vector<u32> grows(k, ~0u), gslots(k, ~0u);
+    std::vector<float> sorted(k, -1.0f);
+    emu::launch({1, 1, 1}, {32, 1, 1}, 0, [&] {
+        moe_device_groups(ids.get(), weights.get(), table.data(), stride, k, groups.data(), grows.data(), gslots.data(),
+                          sorted.data());
+    });
+    std::vector<int> order(k);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ids[a] < ids[b]; });
+    int bad = 0;
+    for (int j = 0; j < k; j++) {
+        const u32 e = ids[order[j]];
+        const u64* g = &groups[(size_t)j * stride];
+        bad += g[0] != table[(size_t)e * stride] || g[1] != table[(size_t)e * stride + 1] || g[2] != (u64)j ||
+               g[3] != 1 || g[4] != table[(size_t)e * stride + 4] || g[5] != table[(size_t)e * stride + 5];
+        bad += grows[j] != 0 || gslots[j] != (u32)j || sorted[j] != weights[order[j]];
+    }
+    std::printf("moe_device_groups: %d of %d groups differ from the stable sort by expert: %s\n", bad, k,
+                bad == 0 ? "ok" : "DIFFERENT");
+    ok &= bad == 0;
     return ok ? 0 : 1;
 }
