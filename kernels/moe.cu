@@ -124,34 +124,30 @@ extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weigh
 // grouped kernels' tables: group j is expert ids[j]'s one row (slot j), its pointers (and,
 // with stride 6, multipliers) from `table` [experts, stride] u64. The combine then sums the
 // same terms in the same order as after host grouping, so the two paths agree bit for bit.
-// One thread; k ≤ MOE_DEVICE_MAX_K.
+// One warp; k ≤ MOE_DEVICE_MAX_K. Each pick's place is its rank (picks of a lower expert, or
+// of the same expert earlier: a stable sort), so every lane writes its picks' entries at
+// once. One thread sorting into local arrays and copying the table entries one after
+// another took 11.4 µs under ncu (H200, Flash-Next's top 10), 6% of a decode step's time.
 extern "C" __global__ void moe_device_groups(const u32* ids, const float* weights, const u64* table, int stride, int k,
                                              u64* groups, u32* rows, u32* slots, float* sorted_weights) { KERNEL_START();
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    u32 e[MOE_DEVICE_MAX_K];
-    float w[MOE_DEVICE_MAX_K];
-    for (int j = 0; j < k; j++) {
-        u32 ej = ids[j];
-        float wj = weights[j];
-        int i = j;
-        for (; i > 0 && e[i - 1] > ej; i--) {
-            e[i] = e[i - 1];
-            w[i] = w[i - 1];
+    if (threadIdx.x >= 32 || blockIdx.x != 0) return;
+    for (int j = threadIdx.x; j < k; j += 32) {
+        const u32 ej = ids[j];
+        int rank = 0;
+        for (int i = 0; i < k; i++) {
+            const u32 ei = ids[i];
+            rank += ei < ej || (ei == ej && i < j);
         }
-        e[i] = ej;
-        w[i] = wj;
-    }
-    for (int j = 0; j < k; j++) {
-        const u64* t = table + (u64)e[j] * stride;
-        u64* g = groups + (u64)j * stride;
+        const u64* t = table + (u64)ej * stride;
+        u64* g = groups + (u64)rank * stride;
         g[0] = t[0];
         g[1] = t[1];
-        g[2] = (u64)j;
+        g[2] = (u64)rank;
         g[3] = 1;
         for (int c = 4; c < stride; c++) g[c] = t[c];
-        rows[j] = 0;
-        slots[j] = (u32)j;
-        sorted_weights[j] = w[j];
+        rows[rank] = 0;
+        slots[rank] = (u32)rank;
+        sorted_weights[rank] = weights[j];
     }
 }
 

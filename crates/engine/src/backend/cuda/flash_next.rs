@@ -48,7 +48,7 @@ const QSA_MAX_D: usize = 256;
 const MOE_MAX_TOP_K: usize = 64;
 /// The most experts the routing kernel takes: 32 lanes × `MOE_ROUTE_PER_LANE` (moe.cu).
 const MOE_ROUTE_MAX_EXPERTS: usize = 32 * 32;
-/// Picks `moe_device_groups` sorts in registers (kernels/moe.cu `MOE_DEVICE_MAX_K`).
+/// Picks the device routing takes a row (kernels/moe.cu `MOE_DEVICE_MAX_K`).
 const MOE_DEVICE_MAX_K: usize = 64;
 
 /// What a layer's routed experts are, for the grouped kernels: their shared intermediate
