@@ -16,9 +16,13 @@
 //! Work is split in phases on the [`ExpertPool`]: (0) tokens are prepared for the gate/up
 //! kernels; (1) tasks of (active expert, block of 16 gate/up row pairs) write
 //! `h = silu(g) · u` — at batch 1 the ~10 routed experts make ~400 tasks, so all cores stay
-//! busy; (1b) each pair's `h` is prepared for the down kernels; (2) tasks of blocks of 32
+//! busy; (1b) each pair's `h` is prepared for the down kernels; (2) tasks of blocks of 16
 //! output rows run over every active expert's down rows, in expert order, so each output
-//! element has one writer and the result does not depend on the thread count.
+//! element has one writer and the result does not depend on the thread count. Phases 1 and
+//! 2 are one pool job: a worker that finds no gate/up task left starts on the down rows, and
+//! waits only where an expert's `h` is not ready yet; there is no barrier between them, so
+//! the last gate/up tasks overlap the first down rows (a barrier and the wait for the
+//! slowest task were a fixed cost of every call, measured on the 16-core box).
 
 pub mod bench;
 pub mod dot;
@@ -35,7 +39,7 @@ use super::ops::silu;
 use super::simd::Isa;
 use anyhow::{bail, Result};
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Expert sizes: `hidden` (H, the model width) and `intermediate` (I).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -336,7 +340,7 @@ pub struct MoeScratch {
     /// kernel).
     rows: Vec<SharedBuf<f32>>,
     /// Phase-1 tasks finished per active expert: the worker finishing an expert's last one
-    /// prepares its pairs' `h` for the down rows (saves a pool barrier per call).
+    /// prepares its pairs' `h` for the down rows, then marks the expert ready (one more).
     blocks_done: Vec<AtomicUsize>,
 }
 
@@ -400,8 +404,9 @@ struct SharedBuf<T> {
     data: UnsafeCell<Vec<T>>,
     start: usize,
 }
-// SAFETY: workers write disjoint ranges (one task owns each range), and reads of a phase's
-// output happen only after `ExpertPool::run` has returned (a full barrier).
+// SAFETY: workers write disjoint ranges (one task owns each range), and a phase's output is
+// read only after `ExpertPool::run` has returned (a full barrier) or, for an expert's `h`,
+// after its ready mark has been acquired.
 unsafe impl<T: Send> Sync for SharedBuf<T> {}
 impl<T: Copy + Default> SharedBuf<T> {
     fn new(n: usize) -> Self {
@@ -672,8 +677,12 @@ fn moe_experts_on(
     let blocks_per_expert = i_dim.div_ceil(GATE_UP_ROWS_PER_TASK);
     let tasks = active.len() * blocks_per_expert;
     let next = AtomicUsize::new(0);
+    // Set when a gate/up task unwinds: its expert never becomes ready, and the down tasks
+    // waiting for it must stop (the pool then reports the panic) instead of spinning forever.
+    let aborted = AtomicBool::new(false);
     let gu_row = l.gate_up_row_bytes;
-    let gate_up_job = |worker: usize| {
+    let gate_up_tasks = |worker: usize| {
+        let _abort = AbortOnUnwind(&aborted);
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..h_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
@@ -717,32 +726,50 @@ fn moe_experts_on(
                 done += chunk;
             }
             // Phase 1b: the last task of expert `a` puts its pairs' h into the down kernels'
-            // layout. AcqRel: this RMW reads the others' releases, so their h rows are seen.
+            // layout, then marks the expert ready. AcqRel: this RMW reads the others'
+            // releases, so their h rows are seen; the ready store releases the prepared h.
             if blocks_done[a].fetch_add(1, Ordering::AcqRel) + 1 == blocks_per_expert {
                 for p in p0..p1 {
                     // SAFETY: all of expert a's h rows are written; pair p's vectors are
-                    // written by this task only and read after the phase's barrier.
+                    // written by this task only, and read only once the expert is ready.
                     unsafe { h_act.prepare(&down_spec, p, hbuf.slice(p * i_dim..(p + 1) * i_dim)) };
                 }
+                blocks_done[a].store(blocks_per_expert + 1, Ordering::Release);
             }
         }
     };
-    pool.run_after(&gate_up_job, first);
 
     // Phase 2: out[token][j] += w · (down_e[j] · h[pair]), experts in id order; tasks are
-    // blocks of output rows, so each output element has one writer.
+    // blocks of output rows, so each output element has one writer. A worker comes here only
+    // once every gate/up task has been taken, so the experts it waits for are being finished
+    // by workers that wait for nothing: no deadlock.
     let down_tasks = h_dim.div_ceil(DOWN_ROWS_PER_TASK);
-    let next = AtomicUsize::new(0);
+    let next_down = AtomicUsize::new(0);
     let out_buf = SharedOut(out.as_mut_ptr(), out.len());
     let out_ref = &out_buf;
     let d_row = l.down_row_bytes;
-    pool.run(&|worker| {
+    let wait_ready = |a: usize| {
+        let start = std::time::Instant::now();
+        // (No rows, no gate/up tasks: nothing to wait for.)
+        while blocks_per_expert > 0 && blocks_done[a].load(Ordering::Acquire) <= blocks_per_expert {
+            if aborted.load(Ordering::Relaxed) {
+                panic!("moe_experts: a gate/up task panicked; the down rows cannot be computed");
+            }
+            // A few microseconds at most in a decode step; yield if a worker was descheduled.
+            if start.elapsed() < std::time::Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    };
+    let down_rows = |worker: usize| {
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..i_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
         let mut res = [0f32; DOWN_ROWS_PER_TASK * PAIRS_PER_CHUNK];
         loop {
-            let t = next.fetch_add(1, Ordering::Relaxed);
+            let t = next_down.fetch_add(1, Ordering::Relaxed);
             if t >= down_tasks {
                 break;
             }
@@ -751,6 +778,7 @@ fn moe_experts_on(
                 ((t + 1) * DOWN_ROWS_PER_TASK).min(h_dim),
             );
             for (a, &e) in active.iter().enumerate() {
+                wait_ready(a);
                 let e = e as usize;
                 let md = set.multipliers(e)[2];
                 let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
@@ -760,7 +788,8 @@ fn moe_experts_on(
                 while done < p1 - p0 {
                     let chunk = (p1 - p0 - done).min(PAIRS_PER_CHUNK);
                     for (c, act) in acts[..chunk].iter_mut().enumerate() {
-                        // SAFETY: phase 1b finished (barrier); h vectors are only read now.
+                        // SAFETY: expert a is ready (acquired above); its h vectors are only
+                        // read now.
                         *act = unsafe { h_act.get(p0 + done + c) };
                     }
                     let r = &mut res[..(j1 - j0) * chunk];
@@ -777,8 +806,25 @@ fn moe_experts_on(
                 }
             }
         }
-    });
+    };
+    pool.run_after(
+        &|worker| {
+            gate_up_tasks(worker);
+            down_rows(worker);
+        },
+        first,
+    );
     Ok(())
+}
+
+/// Sets the flag if dropped while unwinding (a panicking gate/up task).
+struct AbortOnUnwind<'a>(&'a AtomicBool);
+impl Drop for AbortOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 struct SharedOut(*mut f32, usize);
