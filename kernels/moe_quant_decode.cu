@@ -108,3 +108,217 @@ extern "C" __global__ void moe_dec_gate_up_iq3_s(const u64* groups, const u32* r
     KERNEL_START();
     moe_dec_gate_up<QF_IQ3_S>(groups, rows, x, act, hidden, inter, row_bytes, interleaved);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The fast path's grouped decode experts (not CAPY_EXACT_MATH; every group one row): int8
+// activations and dp4a, as the dense fast matvecs (quant_matvec.cu). The f32 kernels above
+// (and moe_quant.cu's one-row kernels) spend about 7 instructions a weight and, under ncu on
+// the H200, read Flash-Next's experts at 0.55 TB/s (gate/up, 25.5 µs a layer) and 0.25 TB/s
+// (Q2_0 down, 16.6 µs): the issue rate, not memory, bounds them. Here a weight costs about 2
+// instructions for IQ3_S and 1 for Q2_0.
+//
+// GGUF blocks are 2-byte aligned (110 and 18 bytes), so each warp first copies its rows'
+// contiguous bytes into shared memory with 8-byte loads, all issued before the block's
+// prologue (the grid table, x quantized to int8 per 32 values), and decodes from there.
+//
+// Rounding: x is rounded to int8 per 32 values (step amax/127, as quantize_x_q8r); the integer
+// sums are exact and the scales are applied in f32, per sub-block.
+
+#define MQ8_WARPS 8
+
+// x[0..n) (n % 32 == 0) → int8 per 32 values, step[g] = amax/127, by the block's threads one
+// group a thread. `perm`: each 16 values stored 4×4-transposed (byte 4j + i of a 16 holds
+// value 4i + j), the order of Q2_0's 2-bit fields (see below); sum16 (when non-null): the sum
+// of each 16 int8 values.
+__device__ __forceinline__ void mq8_quantize(const float* x, int n, signed char* xq, float* step, int* sum16,
+                                             bool perm) {
+    for (int g = threadIdx.x; g < (n >> 5); g += blockDim.x) {
+        float v[32];
+        float amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float4 a = ((const float4*)(x + 32 * (u64)g))[k];
+            v[4 * k] = a.x; v[4 * k + 1] = a.y; v[4 * k + 2] = a.z; v[4 * k + 3] = a.w;
+        }
+#pragma unroll
+        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+        const float inv = q8_inv_step(amax);
+        int s[2] = {0, 0};
+#pragma unroll
+        for (int k = 0; k < 32; k++) {
+            const int q = __float2int_rn(v[k] * inv);
+            s[k >> 4] += q;
+            const int at = perm ? (k & ~15) | ((k & 3) << 2) | ((k >> 2) & 3) : k;
+            xq[32 * g + at] = (signed char)q;
+        }
+        step[g] = q8_step(amax);
+        if (sum16) {
+            sum16[2 * g] = s[0];
+            sum16[2 * g + 1] = s[1];
+        }
+    }
+}
+
+// Copies two runs of bytes (each a multiple of 8 long, 8-byte aligned) into one contiguous
+// buffer with the warp's lanes, in two steps so that every load is in flight before the first
+// store: up to MAX 8-byte words a lane are held in registers.
+template <int MAX>
+struct Mq8Stage {
+    uint2 v[MAX];
+    int words_a, words;
+    __device__ __forceinline__ void load(const unsigned char* a, int bytes_a, const unsigned char* b, int bytes_b,
+                                         int lane) {
+        words_a = bytes_a >> 3;
+        words = words_a + (bytes_b >> 3);
+#pragma unroll
+        for (int k = 0; k < MAX; k++) {
+            const int t = lane + 32 * k;
+            if (t < words_a) v[k] = ((const uint2*)a)[t];
+            else if (t < words) v[k] = ((const uint2*)b)[t - words_a];
+        }
+    }
+    __device__ __forceinline__ void store(unsigned char* dst, int lane) const {
+#pragma unroll
+        for (int k = 0; k < MAX; k++)
+            if (lane + 32 * k < words) ((uint2*)dst)[lane + 32 * k] = v[k];
+    }
+};
+
+// 8-byte words a lane stages: Flash-Next's four IQ3_S rows of 2560 weights (4400 bytes) and
+// eight Q2_0 rows of 640 (1440 bytes) fit (the host checks: flash_next.rs).
+#define MQ8_GATE_UP_STAGE 18
+#define MQ8_DOWN_STAGE 8
+
+__device__ __forceinline__ u32 mq8_u16(const unsigned char* p) { return *(const u16*)p; }
+
+// x [n, hidden] → act [slots, inter] = silu(gate · x) · (up · x), IQ3_S rows, every group one
+// row; grid (inter / (2 · MQ8_WARPS), G), block 32 · MQ8_WARPS. A warp takes two output
+// columns: their gate and up rows (4 · row_bytes bytes: one run when interleaved, else the two
+// gate rows then the two up rows), 8 lanes a row, lane j decoding sub-block j of each block.
+// Needs hidden % 256 == 0, inter % 2 == 0, 4 · row_bytes ≤ 8 · 32 · MQ8_GATE_UP_STAGE, and
+// 8-byte aligned matrices (2 · row_bytes is a multiple of 8 for IQ3_S).
+// Dynamic shared memory: hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS · 4 · row_bytes bytes.
+extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32* rows, const float* x, float* act,
+                                                   int hidden, int inter, u64 row_bytes, int interleaved) {
+    KERNEL_START();
+    extern __shared__ uint4 mq8_smem4[];  // uint4: 16-byte aligned
+    unsigned char* mq8_smem = (unsigned char*)mq8_smem4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    signed char* xq = (signed char*)mq8_smem;
+    float* step = (float*)(mq8_smem + hidden);
+    u32* grid = (u32*)(step + (hidden >> 5));
+    u32* neg = grid + 512;
+    unsigned char* wbuf = (unsigned char*)(neg + 16) + (u64)warp * 4 * row_bytes;
+    const u64* g = groups + (u64)blockIdx.y * 6;
+    const unsigned char* w = (const unsigned char*)g[0];
+    const int off = (int)g[2];
+    const float mult = __uint_as_float((u32)g[4]);
+    const int o0 = 2 * (blockIdx.x * MQ8_WARPS + warp);
+    const bool active = o0 < inter;
+    // The warp's rows into registers first: their loads overlap the prologue.
+    const int pair = 2 * (int)row_bytes;
+    Mq8Stage<MQ8_GATE_UP_STAGE> staged;
+    if (active) {
+        const unsigned char* gate = w + (u64)(interleaved ? 2 * o0 : o0) * row_bytes;
+        const unsigned char* up = interleaved ? gate + pair : w + (u64)(inter + o0) * row_bytes;
+        staged.load(gate, pair, up, pair, lane);
+    }
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) grid[i] = QT_IQ3S[i];
+    // neg[n]: 0xFE in the bytes whose sign bit (of the nibble n) is set; every grid byte is
+    // odd, and an odd g xor 0xFE is −g in two's complement.
+    if (threadIdx.x < 16) neg[threadIdx.x] = (((u32)threadIdx.x * 0x00204081u) & 0x01010101u) * 0xFEu;
+    mq8_quantize(x + (u64)rows[off] * hidden, hidden, xq, step, nullptr, false);
+    if (active) staged.store(wbuf, lane);
+    __syncthreads();
+    if (!active) return;
+    // Row r of the staged four: interleaved g0 u0 g1 u1 (one run), else g0 g1 u0 u1.
+    const int r = lane >> 3, j = lane & 7;
+    const unsigned char* row = wbuf + (u64)r * row_bytes;
+    const int blocks = hidden >> 8;
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        const unsigned char* blk = row + 110 * b;
+        const float d = f16_to_f32((u16)mq8_u16(blk));
+        const u32 qs01 = mq8_u16(blk + 2 + 8 * j) | (mq8_u16(blk + 4 + 8 * j) << 16);
+        const u32 qs23 = mq8_u16(blk + 6 + 8 * j) | (mq8_u16(blk + 8 + 8 * j) << 16);
+        const u32 qh = blk[66 + j];
+        const u32 signs = mq8_u16(blk + 74 + 4 * j) | (mq8_u16(blk + 76 + 4 * j) << 16);
+        const u32 sc = (blk[106 + (j >> 1)] >> (4 * (j & 1))) & 15u;
+        const int s = 8 * b + j;
+        const uint4 xa = ((const uint4*)(xq + 32 * s))[0];
+        const uint4 xb = ((const uint4*)(xq + 32 * s))[1];
+        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        int isum = 0;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const u32 q = e < 4 ? qs01 : qs23;
+            const u32 idx = ((q >> (8 * (e & 3))) & 255u) | (((qh >> e) & 1u) << 8);
+            const u32 v = grid[idx] ^ neg[(signs >> (4 * e)) & 15u];
+            isum = __dp4a((int)v, (int)xw[e], isum);
+        }
+        acc = fmaf(d * (float)(1 + 2 * (int)sc) * step[s], (float)isum, acc);
+    }
+#pragma unroll
+    for (int m = 1; m < 8; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    // Lanes 0, 8, 16, 24 hold rows 0..3; each column's gate meets its up row.
+    const int up_from = interleaved ? 8 : 16;
+    const float up = __shfl_down_sync(0xffffffffu, acc, up_from);
+    const bool gate_lane = interleaved ? (lane == 0 || lane == 16) : (lane == 0 || lane == 8);
+    if (gate_lane) {
+        const int o = o0 + (interleaved ? lane >> 4 : lane >> 3);
+        act[(u64)off * inter + o] = silu_f(acc * mult) * (up * mult);
+    }
+}
+
+// act [slots, inter] → ys [slots, hidden] = act · downᵀ per group, Q2_0 rows (64 weights in 18
+// bytes: f16 d, then 16 bytes of 2-bit codes c, weight 4b + i in bits 2i of byte b, value
+// (c − 1)·d), every group one row; grid (ceil(hidden / (8 · MQ8_WARPS)), G), block
+// 32 · MQ8_WARPS. A warp takes 8 consecutive rows, 4 lanes a row, lane q decoding the 16
+// weights of code word q of each block: (word >> 2i) & 0x03030303 are the codes of weights
+// 16q + 4t + i (t = 0..3), against x stored transposed per 16 (mq8_quantize's `perm`), and
+// Σ (c − 1)·x = Σ c·x − Σ x. Needs hidden % 8 == 0, inter % 64 == 0, 8 · row_bytes ≤ 8 · 32 · MQ8_DOWN_STAGE
+// and 8-byte aligned matrices (8 · row_bytes is a multiple of 8).
+// Dynamic shared memory: inter + inter / 8 + inter / 4 + MQ8_WARPS · 8 · row_bytes bytes.
+extern "C" __global__ void moe_dec_down_q2_0_q8(const u64* groups, const float* act, float* ys, int hidden, int inter,
+                                                u64 row_bytes) {
+    KERNEL_START();
+    extern __shared__ uint4 mq8_smem4[];  // uint4: 16-byte aligned
+    unsigned char* mq8_smem = (unsigned char*)mq8_smem4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    signed char* xq = (signed char*)mq8_smem;
+    float* step = (float*)(mq8_smem + inter);
+    int* sum16 = (int*)(step + (inter >> 5));
+    unsigned char* wbuf = (unsigned char*)(sum16 + (inter >> 4)) + (u64)warp * 8 * row_bytes;
+    const u64* g = groups + (u64)blockIdx.y * 6;
+    const unsigned char* w = (const unsigned char*)g[1];
+    const int off = (int)g[2];
+    const float mult = __uint_as_float((u32)g[5]);
+    const int o0 = 8 * (blockIdx.x * MQ8_WARPS + warp);
+    const int nrows = min(8, hidden - o0);
+    Mq8Stage<MQ8_DOWN_STAGE> staged;
+    const unsigned char* first = w + (u64)o0 * row_bytes;
+    if (nrows > 0) staged.load(first, nrows * (int)row_bytes, first, 0, lane);
+    mq8_quantize(act + (u64)off * inter, inter, xq, step, sum16, true);
+    if (nrows > 0) staged.store(wbuf, lane);
+    __syncthreads();
+    const int r = lane >> 2, q = lane & 3;
+    if (r >= nrows) return;
+    const unsigned char* row = wbuf + (u64)r * row_bytes;
+    const int blocks = inter >> 6;
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        const unsigned char* blk = row + 18 * b;
+        const float d = f16_to_f32((u16)mq8_u16(blk));
+        const u32 codes = mq8_u16(blk + 2 + 4 * q) | (mq8_u16(blk + 4 + 4 * q) << 16);
+        const int sx = 4 * b + q;  // this lane's 16 values
+        const uint4 xv = *(const uint4*)(xq + 16 * sx);
+        int isum = __dp4a((int)(codes & 0x03030303u), (int)xv.x, 0);
+        isum = __dp4a((int)((codes >> 2) & 0x03030303u), (int)xv.y, isum);
+        isum = __dp4a((int)((codes >> 4) & 0x03030303u), (int)xv.z, isum);
+        isum = __dp4a((int)((codes >> 6) & 0x03030303u), (int)xv.w, isum);
+        acc = fmaf(d * step[sx >> 1], (float)(isum - sum16[sx]), acc);
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (q == 0) ys[(u64)off * hidden + o0 + r] = acc * mult;
+}

@@ -10,6 +10,7 @@
 //! except under `CI=true`, where the compiler is installed and a skip would hide a failure.
 #![cfg(feature = "cuda")]
 
+use capy_engine::backend::cuda::flash_next::{decode_q8_down_plan, decode_q8_gate_up_plan};
 use capy_engine::backend::cuda::{norm_split_plan, norm_threads, ChunkedDeltaRulePlan};
 use capy_engine::backend::DeltaRuleShape;
 use std::path::{Path, PathBuf};
@@ -165,6 +166,12 @@ driver!(sampling_driver, "sampling", ["kernels/sampling.cu"]);
 driver!(
     moe_quant_decode_driver,
     "moe_quant_decode",
+    ["<quant tables>", "kernels/moe_quant_decode.cu"]
+);
+
+driver!(
+    moe_decode_q8_driver,
+    "moe_decode_q8",
     ["<quant tables>", "kernels/moe_quant_decode.cu"]
 );
 
@@ -504,6 +511,40 @@ fn decode_gate_up_kernel_matches_the_dequantized_reference() {
             &[groups, hidden, inter, interleaved, 11],
             1,
             &format!("the emulated decode gate/up ({groups} groups, {hidden} x {inter})"),
+        );
+    }
+}
+
+/// The fast path's grouped decode experts (IQ3_S gate/up, Q2_0 down; cuda_emulated/
+/// moe_decode_q8.cpp), launched as the engine plans them, against the same int8 rounding of x
+/// done in double (f32 rounding apart, equal) and against unrounded x (within the rounding's
+/// bound): at Flash-Next's sizes with gate/up rows in halves (the device routing's layout) and
+/// on a smaller shape with them interleaved (the hybrid cache's host records).
+#[test]
+fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
+    let Some(exe) = moe_decode_q8_driver() else {
+        return;
+    };
+    for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 0), (3, 768, 192, 1)] {
+        let (gu_blocks, gu_smem) = decode_q8_gate_up_plan(hidden, inter)
+            .unwrap_or_else(|| panic!("no gate/up plan for {hidden} x {inter}"));
+        let (down_blocks, down_smem) = decode_q8_down_plan(hidden, inter)
+            .unwrap_or_else(|| panic!("no down plan for {hidden} x {inter}"));
+        run_driver(
+            exe,
+            &[
+                groups,
+                hidden,
+                inter,
+                interleaved,
+                17,
+                gu_blocks,
+                gu_smem,
+                down_blocks,
+                down_smem,
+            ],
+            4,
+            &format!("the emulated q8 decode experts ({groups} groups, {hidden} x {inter})"),
         );
     }
 }

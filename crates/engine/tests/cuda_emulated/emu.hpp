@@ -263,5 +263,10 @@ inline float emu_f16_to_f32(unsigned short h) {
     return h & 0x8000 ? -mag : mag;
 }
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
+// dp4a.s32.s32: c plus the products of the four signed byte pairs of a and b.
+inline int __dp4a(int a, int b, int c) {
+    for (int k = 0; k < 4; k++) c += (int)(signed char)(a >> (8 * k)) * (int)(signed char)(b >> (8 * k));
+    return c;
+}
 inline float __expf(float x) { return expf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }

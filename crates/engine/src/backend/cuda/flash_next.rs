@@ -36,6 +36,45 @@ const MOE_Q_DOWN_ROWS_PER_WARP: usize = 1;
 fn decode_gate_up_kernel(code: i32, cols: usize) -> Option<&'static str> {
     (code == super::QF_IQ3_S && cols.is_multiple_of(256)).then_some("moe_dec_gate_up_iq3_s")
 }
+/// Warps a block of the fast path's grouped decode kernels takes (`MQ8_WARPS`), and the 8-byte
+/// words a lane of each stages (`MQ8_GATE_UP_STAGE`, `MQ8_DOWN_STAGE`).
+const MQ8_WARPS: usize = 8;
+const MQ8_GATE_UP_STAGE: usize = 18;
+const MQ8_DOWN_STAGE: usize = 8;
+/// Dynamic shared memory a block may take without opting in (the launches do not).
+const MQ8_MAX_SMEM: usize = 48 << 10;
+
+/// The launch of the fast path's IQ3_S gate/up decode kernel (`moe_dec_gate_up_iq3s_q8`,
+/// kernels/moe_quant_decode.cu) for rows of `hidden` weights, `inter` columns: (blocks along
+/// x, dynamic shared memory bytes), where it takes the shape: whole blocks, column pairs,
+/// 2-row runs on 8-byte boundaries, a warp's four rows within its staging registers.
+pub fn decode_q8_gate_up_plan(hidden: usize, inter: usize) -> Option<(usize, usize)> {
+    let row_bytes = hidden / 256 * 110;
+    let smem = hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS * 4 * row_bytes;
+    (hidden > 0
+        && hidden.is_multiple_of(256)
+        && inter.is_multiple_of(2)
+        && (2 * row_bytes).is_multiple_of(8)
+        && 4 * row_bytes <= 8 * 32 * MQ8_GATE_UP_STAGE
+        && smem <= MQ8_MAX_SMEM)
+        .then_some((inter.div_ceil(2 * MQ8_WARPS), smem))
+}
+
+/// The launch of the fast path's Q2_0 down decode kernel (`moe_dec_down_q2_0_q8`) for
+/// `hidden` output rows of `inter` weights: (blocks along x, dynamic shared memory bytes),
+/// where it takes the shape (whole 64-weight blocks, whole runs of eight rows within the
+/// staging registers).
+pub fn decode_q8_down_plan(hidden: usize, inter: usize) -> Option<(usize, usize)> {
+    let row_bytes = inter / 64 * 18;
+    let smem = inter + inter / 8 + inter / 4 + MQ8_WARPS * 8 * row_bytes;
+    (inter > 0
+        && hidden.is_multiple_of(8)
+        && inter.is_multiple_of(64)
+        && 8 * row_bytes <= 8 * 32 * MQ8_DOWN_STAGE
+        && smem <= MQ8_MAX_SMEM)
+        .then_some((hidden.div_ceil(8 * MQ8_WARPS), smem))
+}
+
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
 const QSA_SPLIT: usize = 128;
@@ -59,6 +98,9 @@ struct ExpertKinds {
     dtype: WeightType,
     quant: Option<(QuantLayout, QuantLayout)>,
     dense: bool,
+    /// Every expert's matrices start on 8-byte boundaries (the fast decode kernels' staging
+    /// loads need it).
+    aligned8: bool,
 }
 
 impl ExpertKinds {
@@ -105,11 +147,15 @@ impl ExpertKinds {
                 && e.gate_up.quant.is_none()
                 && e.down.quant.is_none()
         });
+        let aligned8 = experts
+            .iter()
+            .all(|e| e.gate_up.buf.ptr.is_multiple_of(8) && e.down.buf.ptr.is_multiple_of(8));
         ExpertKinds {
             inter,
             dtype,
             quant,
             dense,
+            aligned8,
         }
     }
 
@@ -682,19 +728,34 @@ impl CudaBackend {
             Some((gq, dq)) => {
                 let gate_up_grid = (ceil_div(inter, warps) as u32, count as u32, 1);
                 let block = (32 * warps as u32, 1, 1);
-                // Every group one row (a decode step): IQ3_S gate/up rows (Flash-Next's GGUF
-                // experts) have a kernel of its own (moe_quant_decode.cu); other formats the
+                // Every group one row (a decode step): IQ3_S gate/up rows and Q2_0 down rows
+                // (Flash-Next's GGUF experts) have kernels of their own (moe_quant_decode.cu),
+                // int8 activations on the fast path and f32 when exact; other formats the
                 // one-row kernels, with fewer registers than the several-row ones.
                 let decode = one_row && self.inner.moe_decode_kernels;
-                match decode_gate_up_kernel(gq.code, hidden).filter(|_| decode) {
-                    Some(name) => launch!(self, name, gate_up_grid, block, 0;
+                let fast = decode && self.inner.moe_decode_q8 && !self.inner.exact && kinds.aligned8;
+                let q8_gate_up = decode_q8_gate_up_plan(hidden, inter)
+                    .filter(|_| fast && gq.code == super::QF_IQ3_S && gq.row_bytes == hidden / 256 * 110);
+                let q8_down = decode_q8_down_plan(hidden, inter)
+                    .filter(|_| fast && dq.code == super::QF_Q2_0 && dq.row_bytes == inter / 64 * 18);
+                match (q8_gate_up, decode_gate_up_kernel(gq.code, hidden).filter(|_| decode)) {
+                    (Some((blocks, smem)), _) => launch!(self, "moe_dec_gate_up_iq3s_q8",
+                        (blocks as u32, count as u32, 1), block, smem as u32;
                         groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
                         gq.row_bytes as u64, interleaved as i32),
-                    None => {
+                    (None, Some(name)) => launch!(self, name, gate_up_grid, block, 0;
+                        groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
+                        gq.row_bytes as u64, interleaved as i32),
+                    (None, None) => {
                         launch!(self, if one_row { "moe_q_gate_up_1" } else { "moe_q_gate_up" }, gate_up_grid, block, 0;
                         groups, rows_ptr, x.ptr(), act.ptr, gq.code, hidden as i32, inter as i32,
                         gq.row_bytes as u64, interleaved as i32)
                     }
+                }
+                if let Some((blocks, smem)) = q8_down {
+                    launch!(self, "moe_dec_down_q2_0_q8", (blocks as u32, count as u32, 1), block, smem as u32;
+                        groups, act.ptr, ys, hidden as i32, inter as i32, dq.row_bytes as u64);
+                    return;
                 }
                 let down = if one_row {
                     "moe_q_down_1"

@@ -492,6 +492,9 @@ struct Inner {
     /// Decode steps' grouped IQ3_S gate/up experts on kernels/moe_quant_decode.cu, unless
     /// `CAPY_MOE_DECODE_KERNELS=0` (then moe_quant.cu's one-row kernel).
     moe_decode_kernels: bool,
+    /// On the fast path, those kernels with int8 activations (`moe_dec_*_q8`), unless
+    /// `CAPY_MOE_DECODE_Q8=0` (then the f32 ones).
+    moe_decode_q8: bool,
     /// Each MoE layer's expert table for the device routing, by its first expert's pointer:
     /// the host copy (checked at every use) and the device one.
     expert_tables: Mutex<HashMap<u64, (Vec<u64>, DevBuf)>>,
@@ -1156,6 +1159,7 @@ impl CudaBackend {
                 )),
                 moe_shared_fused: enabled_unless_zero("CAPY_MOE_SHARED_FUSED"),
                 moe_decode_kernels: enabled_unless_zero("CAPY_MOE_DECODE_KERNELS"),
+                moe_decode_q8: enabled_unless_zero("CAPY_MOE_DECODE_Q8"),
                 expert_tables: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto

@@ -1,0 +1,187 @@
+// kernels/moe_quant_decode.cu's fast-path decode experts on the CPU emulator (emu.hpp): the
+// IQ3_S gate/up kernel (moe_dec_gate_up_iq3s_q8) and the Q2_0 down kernel
+// (moe_dec_down_q2_0_q8), with the launches the engine plans, on random blocks. Two
+// references each:
+// - the same int8 rounding of x (amax/127 per 32 values, round to nearest even), integer sums
+//   of the weights' integer values, scales in double: the kernels may differ by f32 rounding
+//   only (≤ 1e-5 of Σ|terms|);
+// - the dequantized weights times the unrounded x in double: the difference must stay within
+//   the rounding's own bound, Σ|w| · step / 2 (a check that the rounding is the intended one).
+//
+// usage: moe_decode_q8 groups hidden inter interleaved seed gate_up_blocks gate_up_smem
+//        down_blocks down_smem
+#include "emu.hpp"
+#include "kernels.inc"
+
+#include <random>
+#include <string>
+
+// IQ3_S weight i (0..255) of the block at b, as (integer value, its scale d·(1 + 2·scale)).
+static void iq3s_weight(const unsigned char* b, int i, int* value, double* scale) {
+    const int entry = i / 4, sub = i / 32;
+    const int index = b[2 + entry] | (((b[66 + entry / 8] >> (entry % 8)) & 1) << 8);
+    const int mag = (QT_IQ3S[index] >> (8 * (i % 4))) & 255;
+    const int sign = (b[74 + i / 8] >> (i % 8)) & 1 ? -1 : 1;
+    const int sc = (b[106 + sub / 2] >> (4 * (sub % 2))) & 15;
+    *value = sign * mag;
+    *scale = emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))) * (1.0 + 2.0 * sc);
+}
+
+// Q2_0 weight i (0..63) of the block at b: (c − 1) and d.
+static void q2_0_weight(const unsigned char* b, int i, int* value, double* scale) {
+    *value = (int)((b[2 + i / 4] >> (2 * (i % 4))) & 3) - 1;
+    *scale = emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8)));
+}
+
+// x rounded as the kernels round it: q[i] and the step of each 32 values.
+static void quantize(const float* x, int n, std::vector<int>& q, std::vector<float>& step) {
+    q.assign(n, 0);
+    step.assign(n / 32, 0.0f);
+    for (int g = 0; g < n / 32; g++) {
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) amax = std::fmax(amax, std::fabs(x[32 * g + k]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int k = 0; k < 32; k++) q[32 * g + k] = (int)std::nearbyint(x[32 * g + k] * inv);
+        step[g] = amax * (1.0f / 127.0f);
+    }
+}
+
+// A weight row against x three ways: with x rounded (exact integers, scales in double), the
+// magnitude of its terms, the dequantized row against x itself, and the rounding's bound.
+struct RowDot {
+    double rounded = 0, rounded_mag = 0, exact = 0, bound = 0;
+};
+template <typename Weight>
+static RowDot row_dot(const unsigned char* row, int n, int block_weights, int block_bytes, Weight weight,
+                      const float* x, const std::vector<int>& q, const std::vector<float>& step) {
+    RowDot r;
+    for (int i = 0; i < n; i++) {
+        int v;
+        double s;
+        weight(row + (size_t)block_bytes * (i / block_weights), i % block_weights, &v, &s);
+        const double t = s * v * q[i] * step[i / 32];
+        r.rounded += t;
+        r.rounded_mag += std::fabs(t);
+        r.exact += s * v * x[i];
+        r.bound += std::fabs(s * v) * step[i / 32] * 0.5;
+    }
+    return r;
+}
+
+// Random blocks of `block_bytes`, each with a sane f16 d at its start: 2^-8 .. 2^-5, either sign.
+static std::unique_ptr<unsigned char[]> random_blocks(std::mt19937_64& rng, size_t bytes, int block_bytes) {
+    std::unique_ptr<unsigned char[]> m(new unsigned char[bytes]);
+    for (size_t i = 0; i < bytes; i++) m[i] = (unsigned char)rng();
+    for (size_t b = 0; b < bytes / block_bytes; b++) {
+        const unsigned exp = 7 + rng() % 3, man = rng() % 1024;
+        const unsigned short d = (unsigned short)(((rng() & 1) << 15) | (exp << 10) | man);
+        std::memcpy(m.get() + (size_t)block_bytes * b, &d, 2);
+    }
+    return m;
+}
+
+int main(int argc, char** argv) {
+    if (argc < 10) {
+        std::fprintf(stderr, "usage: %s groups hidden inter interleaved seed gu_blocks gu_smem down_blocks down_smem\n",
+                     argv[0]);
+        return 2;
+    }
+    const int groups = std::stoi(argv[1]), hidden = std::stoi(argv[2]), inter = std::stoi(argv[3]);
+    const int interleaved = std::stoi(argv[4]);
+    std::mt19937_64 rng(std::stoull(argv[5]));
+    const unsigned gu_blocks = std::stoul(argv[6]), down_blocks = std::stoul(argv[8]);
+    const size_t gu_smem = std::stoul(argv[7]), down_smem = std::stoul(argv[9]);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    const size_t gu_row = (size_t)hidden / 256 * 110, down_row = (size_t)inter / 64 * 18;
+    std::vector<std::unique_ptr<unsigned char[]>> gate_up, down;
+    for (int g = 0; g < groups; g++) {
+        gate_up.push_back(random_blocks(rng, 2 * inter * gu_row, 110));
+        down.push_back(random_blocks(rng, hidden * down_row, 18));
+    }
+    // x rows with some zero groups of 32 (amax 0) and some large values.
+    const int xrows = 2;
+    std::unique_ptr<float[]> x(new float[(size_t)xrows * hidden]);
+    for (int i = 0; i < xrows * hidden; i++) x[i] = uni(rng) * (i % 97 == 0 ? 20.0f : 1.0f);
+    for (int i = 32; i < 64; i++) x[i] = 0.0f;
+    std::vector<u64> table((size_t)groups * 6);
+    std::vector<u32> rows(groups);
+    std::vector<float> mult_gu(groups), mult_down(groups);
+    for (int g = 0; g < groups; g++) {
+        mult_gu[g] = 0.5f + 0.25f * g;
+        mult_down[g] = 1.5f - 0.125f * g;
+        u32 a, b;
+        std::memcpy(&a, &mult_gu[g], 4);
+        std::memcpy(&b, &mult_down[g], 4);
+        u64* t = &table[(size_t)g * 6];
+        t[0] = (u64)gate_up[g].get();
+        t[1] = (u64)down[g].get();
+        t[2] = (u64)g;  // slot
+        t[3] = 1;       // rows
+        t[4] = a;
+        t[5] = b;
+        rows[g] = (u32)(g % xrows);
+    }
+    std::unique_ptr<float[]> act(new float[(size_t)groups * inter]);
+    std::unique_ptr<float[]> ys(new float[(size_t)groups * hidden]);
+    const unsigned threads = 32 * 8;
+    emu::launch({gu_blocks, (unsigned)groups, 1}, {threads, 1, 1}, gu_smem, [&] {
+        moe_dec_gate_up_iq3s_q8(table.data(), rows.data(), x.get(), act.get(), hidden, inter, (u64)gu_row, interleaved);
+    });
+    emu::launch({down_blocks, (unsigned)groups, 1}, {threads, 1, 1}, down_smem, [&] {
+        moe_dec_down_q2_0_q8(table.data(), act.get(), ys.get(), hidden, inter, (u64)down_row);
+    });
+
+    // Gate/up: act = silu(g)·u; errors carried through (silu' ≤ 1.1).
+    double gu_err = 0, gu_bound_ratio = 0;
+    std::vector<int> q;
+    std::vector<float> step;
+    for (int g = 0; g < groups; g++) {
+        const float* xr = x.get() + (size_t)rows[g] * hidden;
+        quantize(xr, hidden, q, step);
+        for (int o = 0; o < inter; o++) {
+            RowDot d[2];
+            for (int m = 0; m < 2; m++) {
+                const int r = interleaved ? 2 * o + m : m * inter + o;
+                d[m] = row_dot(gate_up[g].get() + r * gu_row, hidden, 256, 110, iq3s_weight, xr, q, step);
+                d[m].rounded *= mult_gu[g];
+                d[m].rounded_mag *= mult_gu[g];
+                d[m].exact *= mult_gu[g];
+                d[m].bound *= mult_gu[g];
+            }
+            const double got = act[(size_t)g * inter + o];
+            const double gr = d[0].rounded, ur = d[1].rounded;
+            const double silu_r = gr / (1.0 + std::exp(-gr));
+            const double scale = 1.1 * std::fabs(ur) * d[0].rounded_mag + std::fabs(silu_r) * d[1].rounded_mag + 1e-30;
+            gu_err = emu::worst(gu_err, std::fabs(got - silu_r * ur) / scale);
+            const double ge = d[0].exact, ue = d[1].exact;
+            const double silu_e = ge / (1.0 + std::exp(-ge));
+            const double allowed = 1.1 * std::fabs(ue) * d[0].bound + (std::fabs(silu_e) + 1.1 * d[0].bound) * d[1].bound;
+            gu_bound_ratio = emu::worst(gu_bound_ratio, std::fabs(got - silu_e * ue) / (allowed * 1.001 + 1e-6 * scale + 1e-30));
+        }
+    }
+    std::printf("moe_dec_gate_up_iq3s_q8: max error %.3g of Σ|w·x| against the same rounding: %s\n", gu_err,
+                gu_err <= 1e-5 ? "ok" : "TOO LARGE");
+    std::printf("moe_dec_gate_up_iq3s_q8: max error %.3g of the rounding's bound against exact x: %s\n",
+                gu_bound_ratio, gu_bound_ratio <= 1.0 ? "ok" : "TOO LARGE");
+
+    // Down: ys = down · act (the kernel's act as input).
+    double down_err = 0, down_bound_ratio = 0;
+    for (int g = 0; g < groups; g++) {
+        const float* ar = act.get() + (size_t)g * inter;
+        quantize(ar, inter, q, step);
+        for (int o = 0; o < hidden; o++) {
+            const RowDot d = row_dot(down[g].get() + o * down_row, inter, 64, 18, q2_0_weight, ar, q, step);
+            const double got = ys[(size_t)g * hidden + o];
+            const double m = mult_down[g];
+            down_err = emu::worst(down_err, std::fabs(got - m * d.rounded) / (m * d.rounded_mag + 1e-30));
+            down_bound_ratio = emu::worst(
+                down_bound_ratio, std::fabs(got - m * d.exact) / (m * d.bound * 1.001 + 1e-6 * m * d.rounded_mag + 1e-30));
+        }
+    }
+    std::printf("moe_dec_down_q2_0_q8: max error %.3g of Σ|w·x| against the same rounding: %s\n", down_err,
+                down_err <= 1e-5 ? "ok" : "TOO LARGE");
+    std::printf("moe_dec_down_q2_0_q8: max error %.3g of the rounding's bound against exact x: %s\n",
+                down_bound_ratio, down_bound_ratio <= 1.0 ? "ok" : "TOO LARGE");
+    const bool ok = gu_err <= 1e-5 && gu_bound_ratio <= 1.0 && down_err <= 1e-5 && down_bound_ratio <= 1.0;
+    return ok ? 0 : 1;
+}
