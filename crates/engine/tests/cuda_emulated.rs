@@ -525,7 +525,7 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
     let Some(exe) = moe_decode_q8_driver() else {
         return;
     };
-    for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 0), (3, 768, 192, 1)] {
+    for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 0), (3, 1024, 192, 1)] {
         let (gu_blocks, gu_smem) = decode_q8_gate_up_plan(hidden, inter)
             .unwrap_or_else(|| panic!("no gate/up plan for {hidden} x {inter}"));
         let (down_blocks, down_smem) = decode_q8_down_plan(hidden, inter)

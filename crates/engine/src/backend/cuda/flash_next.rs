@@ -733,12 +733,18 @@ impl CudaBackend {
                 // int8 activations on the fast path and f32 when exact; other formats the
                 // one-row kernels, with fewer registers than the several-row ones.
                 let decode = one_row && self.inner.moe_decode_kernels;
-                let fast = decode && self.inner.moe_decode_q8 && !self.inner.exact && kinds.aligned8;
-                let q8_gate_up = decode_q8_gate_up_plan(hidden, inter)
-                    .filter(|_| fast && gq.code == super::QF_IQ3_S && gq.row_bytes == hidden / 256 * 110);
-                let q8_down = decode_q8_down_plan(hidden, inter)
-                    .filter(|_| fast && dq.code == super::QF_Q2_0 && dq.row_bytes == inter / 64 * 18);
-                match (q8_gate_up, decode_gate_up_kernel(gq.code, hidden).filter(|_| decode)) {
+                let fast =
+                    decode && self.inner.moe_decode_q8 && !self.inner.exact && kinds.aligned8;
+                let q8_gate_up = decode_q8_gate_up_plan(hidden, inter).filter(|_| {
+                    fast && gq.code == super::QF_IQ3_S && gq.row_bytes == hidden / 256 * 110
+                });
+                let q8_down = decode_q8_down_plan(hidden, inter).filter(|_| {
+                    fast && dq.code == super::QF_Q2_0 && dq.row_bytes == inter / 64 * 18
+                });
+                match (
+                    q8_gate_up,
+                    decode_gate_up_kernel(gq.code, hidden).filter(|_| decode),
+                ) {
                     (Some((blocks, smem)), _) => launch!(self, "moe_dec_gate_up_iq3s_q8",
                         (blocks as u32, count as u32, 1), block, smem as u32;
                         groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,

@@ -807,14 +807,27 @@ fn moe_experts_on(
             }
         }
     };
-    pool.run_after(
-        &|worker| {
-            gate_up_tasks(worker);
-            down_rows(worker);
-        },
-        first,
-    );
+    if phase_barrier() {
+        pool.run_after(&gate_up_tasks, first);
+        pool.run(&down_rows);
+    } else {
+        pool.run_after(
+            &|worker| {
+                gate_up_tasks(worker);
+                down_rows(worker);
+            },
+            first,
+        );
+    }
     Ok(())
+}
+
+/// Whether the gate/up and down phases run as two pool jobs with a barrier between them
+/// (`CAPY_EXPERT_BARRIER=1`), as before they were one job: to measure what the overlap saves
+/// on a new machine. Read once.
+fn phase_barrier() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("CAPY_EXPERT_BARRIER").is_ok_and(|v| v == "1"))
 }
 
 /// Sets the flag if dropped while unwinding (a panicking gate/up task).
