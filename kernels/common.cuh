@@ -128,3 +128,20 @@ __device__ __forceinline__ void store_q8r(float o, float amax, u32 c, u32 in, un
 __device__ __forceinline__ void warp_store_q8r(float o, u32 c, int in, unsigned char* xq, float* xs) {
     store_q8r(o, warp_max(fabsf(o)), c, (u32)in, xq, xs);
 }
+
+// 8 E2M1 codes (nibble j = weight j) as int8 2·value (the fast NVFP4 matvecs of
+// quant_matvec.cu and moe_quant_decode.cu): .x weights 0,2,4,6 and .y 1,3,5,7
+// (the byte-permute lookup of llama.cpp's get_int_from_table_16).
+__device__ __forceinline__ int2 e2m1x8_to_i8(u32 q4) {
+    const u32 t0 = 0x03020100u, t1 = 0x0C080604u, t2 = 0xFDFEFF00u, t3 = 0xF4F8FAFCu;
+    const u32 sel = 0x32103210u | ((q4 & 0x88888888u) >> 1);
+    u32 tmp[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u32 q = (q4 >> (16 * i)) & 0x7777u;
+        const u32 lo = __byte_perm(t0, t1, q);
+        const u32 hi = __byte_perm(t2, t3, q);
+        tmp[i] = __byte_perm(lo, hi, (sel >> (16 * i)) & 0xFFFFu);
+    }
+    return make_int2((int)__byte_perm(tmp[0], tmp[1], 0x6420), (int)__byte_perm(tmp[0], tmp[1], 0x7531));
+}

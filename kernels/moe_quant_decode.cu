@@ -126,12 +126,17 @@ extern "C" __global__ void moe_dec_gate_up_iq3_s(const u64* groups, const u32* r
 
 #define MQ8_WARPS 8
 
+// The order the int8 values of x are stored in, to match a format's packing of weights.
+#define MQ8_NATURAL 0
+// Each 16 values 4×4-transposed (byte 4j + i of a 16 holds value 4i + j): Q2_0's 2-bit fields.
+#define MQ8_Q2_0_ORDER 1
+// Each 8 values as [0, 2, 4, 6, 1, 3, 5, 7]: e2m1x8_to_i8's even and odd weights (NVFP4).
+#define MQ8_NVFP4_ORDER 2
+
 // x[0..n) (n % 32 == 0) → int8 per 32 values, step[g] = amax/127, by the block's threads one
-// group a thread. `perm`: each 16 values stored 4×4-transposed (byte 4j + i of a 16 holds
-// value 4i + j), the order of Q2_0's 2-bit fields (see below); sum16 (when non-null): the sum
-// of each 16 int8 values.
+// group a thread, stored in `order`; sum16 (when non-null): the sum of each 16 int8 values.
 __device__ __forceinline__ void mq8_quantize(const float* x, int n, signed char* xq, float* step, int* sum16,
-                                             bool perm) {
+                                             int order) {
     for (int g = threadIdx.x; g < (n >> 5); g += blockDim.x) {
         float v[32];
         float amax = 0.0f;
@@ -148,7 +153,9 @@ __device__ __forceinline__ void mq8_quantize(const float* x, int n, signed char*
         for (int k = 0; k < 32; k++) {
             const int q = __float2int_rn(v[k] * inv);
             s[k >> 4] += q;
-            const int at = perm ? (k & ~15) | ((k & 3) << 2) | ((k >> 2) & 3) : k;
+            const int at = order == MQ8_Q2_0_ORDER   ? (k & ~15) | ((k & 3) << 2) | ((k >> 2) & 3)
+                           : order == MQ8_NVFP4_ORDER ? (k & ~7) | ((k & 1) << 2) | ((k >> 1) & 3)
+                                                      : k;
             xq[32 * g + at] = (signed char)q;
         }
         step[g] = q8_step(amax);
@@ -184,10 +191,12 @@ struct Mq8Stage {
     }
 };
 
-// 8-byte words a lane stages: Flash-Next's four IQ3_S rows of 2560 weights (4400 bytes) and
-// eight Q2_0 rows of 640 (1440 bytes) fit (the host checks: flash_next.rs).
-#define MQ8_GATE_UP_STAGE 18
-#define MQ8_DOWN_STAGE 8
+// 8-byte words a lane stages: Flash-Next's four IQ3_S rows of 2560 weights (4400 bytes), eight
+// Q2_0 rows of 640 (1440 bytes), two NVFP4 rows of 2560 and eight of 640 (2880 bytes each) fit
+// (the host checks: flash_next.rs `decode_q8_*_plan`).
+#define MQ8_IQ3S_STAGE 18
+#define MQ8_Q2_0_STAGE 6
+#define MQ8_NVFP4_STAGE 12
 
 __device__ __forceinline__ u32 mq8_u16(const unsigned char* p) { return *(const u16*)p; }
 
@@ -195,7 +204,7 @@ __device__ __forceinline__ u32 mq8_u16(const unsigned char* p) { return *(const 
 // row; grid (inter / (2 · MQ8_WARPS), G), block 32 · MQ8_WARPS. A warp takes two output
 // columns: their gate and up rows (4 · row_bytes bytes: one run when interleaved, else the two
 // gate rows then the two up rows), 8 lanes a row, lane j decoding sub-block j of each block.
-// Needs hidden % 256 == 0, inter % 2 == 0, 4 · row_bytes ≤ 8 · 32 · MQ8_GATE_UP_STAGE, and
+// Needs hidden % 256 == 0, inter % 2 == 0, 4 · row_bytes ≤ 8 · 32 · MQ8_IQ3S_STAGE, and
 // 8-byte aligned matrices (2 · row_bytes is a multiple of 8 for IQ3_S).
 // Dynamic shared memory: hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS · 4 · row_bytes bytes.
 extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32* rows, const float* x, float* act,
@@ -217,7 +226,7 @@ extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32*
     const bool active = o0 < inter;
     // The warp's rows into registers first: their loads overlap the prologue.
     const int pair = 2 * (int)row_bytes;
-    Mq8Stage<MQ8_GATE_UP_STAGE> staged;
+    Mq8Stage<MQ8_IQ3S_STAGE> staged;
     if (active) {
         const unsigned char* gate = w + (u64)(interleaved ? 2 * o0 : o0) * row_bytes;
         const unsigned char* up = interleaved ? gate + pair : w + (u64)(inter + o0) * row_bytes;
@@ -227,7 +236,7 @@ extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32*
     // neg[n]: 0xFE in the bytes whose sign bit (of the nibble n) is set; every grid byte is
     // odd, and an odd g xor 0xFE is −g in two's complement.
     if (threadIdx.x < 16) neg[threadIdx.x] = (((u32)threadIdx.x * 0x00204081u) & 0x01010101u) * 0xFEu;
-    mq8_quantize(x + (u64)rows[off] * hidden, hidden, xq, step, nullptr, false);
+    mq8_quantize(x + (u64)rows[off] * hidden, hidden, xq, step, nullptr, MQ8_NATURAL);
     if (active) staged.store(wbuf, lane);
     __syncthreads();
     if (!active) return;
@@ -275,8 +284,8 @@ extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32*
 // (c − 1)·d), every group one row; grid (ceil(hidden / (8 · MQ8_WARPS)), G), block
 // 32 · MQ8_WARPS. A warp takes 8 consecutive rows, 4 lanes a row, lane q decoding the 16
 // weights of code word q of each block: (word >> 2i) & 0x03030303 are the codes of weights
-// 16q + 4t + i (t = 0..3), against x stored transposed per 16 (mq8_quantize's `perm`), and
-// Σ (c − 1)·x = Σ c·x − Σ x. Needs hidden % 8 == 0, inter % 64 == 0, 8 · row_bytes ≤ 8 · 32 · MQ8_DOWN_STAGE
+// 16q + 4t + i (t = 0..3), against x stored transposed per 16 (MQ8_Q2_0_ORDER), and
+// Σ (c − 1)·x = Σ c·x − Σ x. Needs hidden % 8 == 0, inter % 64 == 0, 8 · row_bytes ≤ 8 · 32 · MQ8_Q2_0_STAGE
 // and 8-byte aligned matrices (8 · row_bytes is a multiple of 8).
 // Dynamic shared memory: inter + inter / 8 + inter / 4 + MQ8_WARPS · 8 · row_bytes bytes.
 extern "C" __global__ void moe_dec_down_q2_0_q8(const u64* groups, const float* act, float* ys, int hidden, int inter,
@@ -295,10 +304,10 @@ extern "C" __global__ void moe_dec_down_q2_0_q8(const u64* groups, const float* 
     const float mult = __uint_as_float((u32)g[5]);
     const int o0 = 8 * (blockIdx.x * MQ8_WARPS + warp);
     const int nrows = min(8, hidden - o0);
-    Mq8Stage<MQ8_DOWN_STAGE> staged;
+    Mq8Stage<MQ8_Q2_0_STAGE> staged;
     const unsigned char* first = w + (u64)o0 * row_bytes;
     if (nrows > 0) staged.load(first, nrows * (int)row_bytes, first, 0, lane);
-    mq8_quantize(act + (u64)off * inter, inter, xq, step, sum16, true);
+    mq8_quantize(act + (u64)off * inter, inter, xq, step, sum16, MQ8_Q2_0_ORDER);
     if (nrows > 0) staged.store(wbuf, lane);
     __syncthreads();
     const int r = lane >> 2, q = lane & 3;
@@ -321,4 +330,107 @@ extern "C" __global__ void moe_dec_down_q2_0_q8(const u64* groups, const float* 
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     if (q == 0) ys[(u64)off * hidden + o0 + r] = acc * mult;
+}
+
+// NVFP4 (36-byte blocks of 64 weights: four E4M3 scales, one per 16, then 32 code bytes, weight
+// 2k in the low nibble of byte k; 4-byte aligned), the fast path's gate/up: as the IQ3_S kernel,
+// but a warp takes one column (its gate and up rows, 2 · row_bytes bytes), 16 lanes a row, lane
+// j decoding the 16-weight groups j, j + 16, … (two code words through e2m1x8_to_i8, against
+// x in MQ8_NVFP4_ORDER; the int8 values are twice the E2M1 values, hence the 0.5).
+// grid (ceil(inter / MQ8_WARPS), G). Needs hidden % 128 == 0 (row_bytes a multiple of 8),
+// 2 · row_bytes ≤ 8 · 32 · MQ8_NVFP4_STAGE and 8-byte aligned matrices.
+// Dynamic shared memory: hidden + hidden / 8 + 1024 + MQ8_WARPS · 2 · row_bytes bytes.
+extern "C" __global__ void moe_dec_gate_up_nvfp4_q8(const u64* groups, const u32* rows, const float* x, float* act,
+                                                    int hidden, int inter, u64 row_bytes, int interleaved) {
+    KERNEL_START();
+    extern __shared__ uint4 mq8_smem4[];
+    unsigned char* mq8_smem = (unsigned char*)mq8_smem4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    signed char* xq = (signed char*)mq8_smem;
+    float* step = (float*)(mq8_smem + hidden);
+    float* e4m3 = step + (hidden >> 5);
+    unsigned char* wbuf = (unsigned char*)(e4m3 + 256) + (u64)warp * 2 * row_bytes;
+    const u64* g = groups + (u64)blockIdx.y * 6;
+    const unsigned char* w = (const unsigned char*)g[0];
+    const int off = (int)g[2];
+    const float mult = __uint_as_float((u32)g[4]);
+    const int o = blockIdx.x * MQ8_WARPS + warp;
+    const bool active = o < inter;
+    Mq8Stage<MQ8_NVFP4_STAGE> staged;
+    if (active) {
+        const unsigned char* gate = w + (u64)(interleaved ? 2 * o : o) * row_bytes;
+        const unsigned char* up = interleaved ? gate + row_bytes : w + (u64)(inter + o) * row_bytes;
+        staged.load(gate, (int)row_bytes, up, (int)row_bytes, lane);
+    }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) e4m3[i] = __uint_as_float(QT_E4M3[i]);
+    mq8_quantize(x + (u64)rows[off] * hidden, hidden, xq, step, nullptr, MQ8_NVFP4_ORDER);
+    if (active) staged.store(wbuf, lane);
+    __syncthreads();
+    if (!active) return;
+    const unsigned char* row = wbuf + (u64)(lane >> 4) * row_bytes;  // gate, then up
+    float acc = 0.0f;
+    for (int q = lane & 15; q < (hidden >> 4); q += 16) {
+        const unsigned char* blk = row + 36 * (q >> 2);
+        const int sub = q & 3;
+        const int2 a = e2m1x8_to_i8(*(const u32*)(blk + 4 + 8 * sub));
+        const int2 c = e2m1x8_to_i8(*(const u32*)(blk + 8 + 8 * sub));
+        const uint4 xv = *(const uint4*)(xq + 16 * q);
+        int isum = __dp4a(a.x, (int)xv.x, 0);
+        isum = __dp4a(a.y, (int)xv.y, isum);
+        isum = __dp4a(c.x, (int)xv.z, isum);
+        isum = __dp4a(c.y, (int)xv.w, isum);
+        acc = fmaf(e4m3[blk[sub]] * step[q >> 1], (float)isum, acc);
+    }
+#pragma unroll
+    for (int m = 1; m < 16; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    const float up = __shfl_down_sync(0xffffffffu, acc, 16);
+    if (lane == 0) act[(u64)off * inter + o] = silu_f(0.5f * acc * mult) * (0.5f * up * mult);
+}
+
+// NVFP4 down rows, the fast path: as the Q2_0 down kernel (8 rows a warp, 4 lanes a row), lane q
+// decoding the 16 weights of scale q of each block. grid (ceil(hidden / (8 · MQ8_WARPS)), G).
+// Needs hidden % 8 == 0, inter % 64 == 0, 8 · row_bytes ≤ 8 · 32 · MQ8_NVFP4_STAGE and 8-byte
+// aligned matrices. Dynamic shared memory: inter + inter / 8 + 1024 + MQ8_WARPS · 8 · row_bytes.
+extern "C" __global__ void moe_dec_down_nvfp4_q8(const u64* groups, const float* act, float* ys, int hidden, int inter,
+                                                 u64 row_bytes) {
+    KERNEL_START();
+    extern __shared__ uint4 mq8_smem4[];
+    unsigned char* mq8_smem = (unsigned char*)mq8_smem4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    signed char* xq = (signed char*)mq8_smem;
+    float* step = (float*)(mq8_smem + inter);
+    float* e4m3 = step + (inter >> 5);
+    unsigned char* wbuf = (unsigned char*)(e4m3 + 256) + (u64)warp * 8 * row_bytes;
+    const u64* g = groups + (u64)blockIdx.y * 6;
+    const unsigned char* w = (const unsigned char*)g[1];
+    const int off = (int)g[2];
+    const float mult = __uint_as_float((u32)g[5]);
+    const int o0 = 8 * (blockIdx.x * MQ8_WARPS + warp);
+    const bool active = o0 < hidden;
+    Mq8Stage<MQ8_NVFP4_STAGE> staged;
+    const unsigned char* first = w + (u64)o0 * row_bytes;
+    if (active) staged.load(first, 8 * (int)row_bytes, first, 0, lane);
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) e4m3[i] = __uint_as_float(QT_E4M3[i]);
+    mq8_quantize(act + (u64)off * inter, inter, xq, step, nullptr, MQ8_NVFP4_ORDER);
+    if (active) staged.store(wbuf, lane);
+    __syncthreads();
+    if (!active) return;
+    const int r = lane >> 2, sub = lane & 3;
+    const unsigned char* row = wbuf + (u64)r * row_bytes;
+    float acc = 0.0f;
+    for (int b = 0; b < (inter >> 6); b++) {
+        const unsigned char* blk = row + 36 * b;
+        const int q = 4 * b + sub;
+        const int2 a = e2m1x8_to_i8(*(const u32*)(blk + 4 + 8 * sub));
+        const int2 c = e2m1x8_to_i8(*(const u32*)(blk + 8 + 8 * sub));
+        const uint4 xv = *(const uint4*)(xq + 16 * q);
+        int isum = __dp4a(a.x, (int)xv.x, 0);
+        isum = __dp4a(a.y, (int)xv.y, isum);
+        isum = __dp4a(c.x, (int)xv.z, isum);
+        isum = __dp4a(c.y, (int)xv.w, isum);
+        acc = fmaf(e4m3[blk[sub]] * step[q >> 1], (float)isum, acc);
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (sub == 0) ys[(u64)off * hidden + o0 + r] = 0.5f * acc * mult;
 }

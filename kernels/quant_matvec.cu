@@ -310,22 +310,6 @@ __device__ __forceinline__ int dp4a_s32(int a, int b, int c) {
     return r;
 }
 
-// 8 E2M1 codes (nibble j = weight j) as int8 2·value: .x weights 0,2,4,6 and .y 1,3,5,7
-// (the byte-permute lookup of llama.cpp's get_int_from_table_16).
-__device__ __forceinline__ int2 e2m1x8_to_i8(u32 q4) {
-    const u32 t0 = 0x03020100u, t1 = 0x0C080604u, t2 = 0xFDFEFF00u, t3 = 0xF4F8FAFCu;
-    const u32 sel = 0x32103210u | ((q4 & 0x88888888u) >> 1);
-    u32 tmp[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const u32 q = (q4 >> (16 * i)) & 0x7777u;
-        const u32 lo = __byte_perm(t0, t1, q);
-        const u32 hi = __byte_perm(t2, t3, q);
-        tmp[i] = __byte_perm(lo, hi, (sel >> (16 * i)) & 0xFFFFu);
-    }
-    return make_int2((int)__byte_perm(tmp[0], tmp[1], 0x6420), (int)__byte_perm(tmp[0], tmp[1], 0x7531));
-}
-
 // The 32 values at x (16-byte aligned) into v; returns their largest magnitude.
 __device__ __forceinline__ float load32_amax(const float* x, float* v) {
     const float4* xp = (const float4*)x;

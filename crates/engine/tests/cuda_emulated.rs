@@ -515,36 +515,42 @@ fn decode_gate_up_kernel_matches_the_dequantized_reference() {
     }
 }
 
-/// The fast path's grouped decode experts (IQ3_S gate/up, Q2_0 down; cuda_emulated/
-/// moe_decode_q8.cpp), launched as the engine plans them, against the same int8 rounding of x
-/// done in double (f32 rounding apart, equal) and against unrounded x (within the rounding's
-/// bound): at Flash-Next's sizes with gate/up rows in halves (the device routing's layout) and
-/// on a smaller shape with them interleaved (the hybrid cache's host records).
+/// The fast path's grouped decode experts (cuda_emulated/moe_decode_q8.cpp): IQ3_S gate/up
+/// with Q2_0 down (Flash-Next's GGUF experts) and the NVFP4 pair, launched as the engine plans
+/// them, against the same int8 rounding of x done in double (f32 rounding apart, equal) and
+/// against unrounded x (within the rounding's bound): at Flash-Next's sizes with gate/up rows
+/// in halves (the device routing's layout) and on a smaller shape with them interleaved (the
+/// hybrid cache's host records).
 #[test]
 fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
+    use capy_engine::backend::cpu::experts::RowFormat;
+    use capy_engine::quant::GgmlType;
     let Some(exe) = moe_decode_q8_driver() else {
         return;
     };
-    for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 0), (3, 1024, 192, 1)] {
-        let (gu_blocks, gu_smem) = decode_q8_gate_up_plan(hidden, inter)
-            .unwrap_or_else(|| panic!("no gate/up plan for {hidden} x {inter}"));
-        let (down_blocks, down_smem) = decode_q8_down_plan(hidden, inter)
-            .unwrap_or_else(|| panic!("no down plan for {hidden} x {inter}"));
-        run_driver(
-            exe,
-            &[
-                groups,
-                hidden,
-                inter,
-                interleaved,
-                17,
-                gu_blocks,
-                gu_smem,
-                down_blocks,
-                down_smem,
-            ],
-            4,
-            &format!("the emulated q8 decode experts ({groups} groups, {hidden} x {inter})"),
-        );
+    let pairs = [
+        ("iq3s", RowFormat::Ggml(GgmlType::Iq3S), RowFormat::Ggml(GgmlType::Q2_0)),
+        ("nvfp4", RowFormat::Nvfp4, RowFormat::Nvfp4),
+    ];
+    for (name, gate_up, down) in pairs {
+        for (groups, hidden, inter, interleaved) in [(2, 2560, 640, 0), (3, 1024, 192, 1)] {
+            let gu = decode_q8_gate_up_plan(gate_up, hidden, inter)
+                .unwrap_or_else(|| panic!("no {name} gate/up plan for {hidden} x {inter}"));
+            let dn = decode_q8_down_plan(down, hidden, inter)
+                .unwrap_or_else(|| panic!("no {name} down plan for {hidden} x {inter}"));
+            let args = [groups, hidden, inter, interleaved, 17, gu.blocks, gu.smem, dn.blocks, dn.smem];
+            let out = Command::new(exe)
+                .arg(name)
+                .args(args.iter().map(|a| a.to_string()))
+                .output()
+                .expect("running the emulated kernels");
+            let text = String::from_utf8_lossy(&out.stdout);
+            println!("{text}");
+            assert!(
+                out.status.success() && text.matches(": ok").count() == 4,
+                "the emulated {name} q8 decode experts ({groups} groups, {hidden} x {inter}) failed:\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 }

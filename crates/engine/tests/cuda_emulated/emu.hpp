@@ -187,6 +187,10 @@ struct alignas(8) uint2 {
     unsigned x, y;
 };
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+struct alignas(8) int2 {
+    int x, y;
+};
+inline int2 make_int2(int x, int y) { return {x, y}; }
 
 using std::max;
 using std::min;

@@ -1,15 +1,14 @@
 // kernels/moe_quant_decode.cu's fast-path decode experts on the CPU emulator (emu.hpp): the
-// IQ3_S gate/up kernel (moe_dec_gate_up_iq3s_q8) and the Q2_0 down kernel
-// (moe_dec_down_q2_0_q8), with the launches the engine plans, on random blocks. Two
-// references each:
+// IQ3_S gate/up and Q2_0 down kernels (Flash-Next's GGUF experts) or the NVFP4 pair, with the
+// launches the engine plans, on random blocks. Two references each:
 // - the same int8 rounding of x (amax/127 per 32 values, round to nearest even), integer sums
 //   of the weights' integer values, scales in double: the kernels may differ by f32 rounding
 //   only (≤ 1e-5 of Σ|terms|);
 // - the dequantized weights times the unrounded x in double: the difference must stay within
 //   the rounding's own bound, Σ|w| · step / 2 (a check that the rounding is the intended one).
 //
-// usage: moe_decode_q8 groups hidden inter interleaved seed gate_up_blocks gate_up_smem
-//        down_blocks down_smem
+// usage: moe_decode_q8 iq3s|nvfp4 groups hidden inter interleaved seed gate_up_blocks
+//        gate_up_smem down_blocks down_smem
 #include "emu.hpp"
 #include "kernels.inc"
 
@@ -31,6 +30,17 @@ static void iq3s_weight(const unsigned char* b, int i, int* value, double* scale
 static void q2_0_weight(const unsigned char* b, int i, int* value, double* scale) {
     *value = (int)((b[2 + i / 4] >> (2 * (i % 4))) & 3) - 1;
     *scale = emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8)));
+}
+
+// NVFP4 weight i (0..63) of the block at b: twice its E2M1 value (an integer) and half its
+// E4M3 scale.
+static void nvfp4_weight(const unsigned char* b, int i, int* value, double* scale) {
+    static const int twice[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    const int code = (b[4 + i / 2] >> (4 * (i % 2))) & 15;
+    *value = code & 8 ? -twice[code & 7] : twice[code & 7];
+    float s;
+    std::memcpy(&s, &QT_E4M3[b[i / 16]], 4);
+    *scale = 0.5 * s;
 }
 
 // x rounded as the kernels round it: q[i] and the step of each 32 values.
@@ -68,35 +78,50 @@ static RowDot row_dot(const unsigned char* row, int n, int block_weights, int bl
     return r;
 }
 
-// Random blocks of `block_bytes`, each with a sane f16 d at its start: 2^-8 .. 2^-5, either sign.
-static std::unique_ptr<unsigned char[]> random_blocks(std::mt19937_64& rng, size_t bytes, int block_bytes) {
+// Random blocks of `block_bytes` with sane scales at their start: GGUF an f16 d of 2^-8 .. 2^-5,
+// either sign; NVFP4 (`nvfp4`) four positive E4M3 scales of 2^-3 .. 2^2 (no NaN codes).
+static std::unique_ptr<unsigned char[]> random_blocks(std::mt19937_64& rng, size_t bytes, int block_bytes,
+                                                      bool nvfp4) {
     std::unique_ptr<unsigned char[]> m(new unsigned char[bytes]);
     for (size_t i = 0; i < bytes; i++) m[i] = (unsigned char)rng();
     for (size_t b = 0; b < bytes / block_bytes; b++) {
-        const unsigned exp = 7 + rng() % 3, man = rng() % 1024;
-        const unsigned short d = (unsigned short)(((rng() & 1) << 15) | (exp << 10) | man);
-        std::memcpy(m.get() + (size_t)block_bytes * b, &d, 2);
+        unsigned char* blk = m.get() + (size_t)block_bytes * b;
+        if (nvfp4) {
+            for (int k = 0; k < 4; k++) blk[k] = (unsigned char)(((4 + rng() % 6) << 3) | (rng() % 8));
+        } else {
+            const unsigned exp = 7 + rng() % 3, man = rng() % 1024;
+            const unsigned short d = (unsigned short)(((rng() & 1) << 15) | (exp << 10) | man);
+            std::memcpy(blk, &d, 2);
+        }
     }
     return m;
 }
 
 int main(int argc, char** argv) {
-    if (argc < 10) {
-        std::fprintf(stderr, "usage: %s groups hidden inter interleaved seed gu_blocks gu_smem down_blocks down_smem\n",
+    if (argc < 11) {
+        std::fprintf(stderr,
+                     "usage: %s iq3s|nvfp4 groups hidden inter interleaved seed gu_blocks gu_smem down_blocks down_smem\n",
                      argv[0]);
         return 2;
     }
-    const int groups = std::stoi(argv[1]), hidden = std::stoi(argv[2]), inter = std::stoi(argv[3]);
-    const int interleaved = std::stoi(argv[4]);
-    std::mt19937_64 rng(std::stoull(argv[5]));
-    const unsigned gu_blocks = std::stoul(argv[6]), down_blocks = std::stoul(argv[8]);
-    const size_t gu_smem = std::stoul(argv[7]), down_smem = std::stoul(argv[9]);
+    const bool nvfp4 = std::string(argv[1]) == "nvfp4";
+    const int groups = std::stoi(argv[2]), hidden = std::stoi(argv[3]), inter = std::stoi(argv[4]);
+    const int interleaved = std::stoi(argv[5]);
+    std::mt19937_64 rng(std::stoull(argv[6]));
+    const unsigned gu_blocks = std::stoul(argv[7]), down_blocks = std::stoul(argv[9]);
+    const size_t gu_smem = std::stoul(argv[8]), down_smem = std::stoul(argv[10]);
     std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-    const size_t gu_row = (size_t)hidden / 256 * 110, down_row = (size_t)inter / 64 * 18;
+    // Block weights and bytes of the gate/up and down formats.
+    const int gu_bw = nvfp4 ? 64 : 256, gu_bb = nvfp4 ? 36 : 110, down_bb = nvfp4 ? 36 : 18;
+    const size_t gu_row = (size_t)hidden / gu_bw * gu_bb, down_row = (size_t)inter / 64 * down_bb;
+    const auto gu_weight = nvfp4 ? nvfp4_weight : iq3s_weight;
+    const auto down_weight = nvfp4 ? nvfp4_weight : q2_0_weight;
+    const char* gu_name = nvfp4 ? "moe_dec_gate_up_nvfp4_q8" : "moe_dec_gate_up_iq3s_q8";
+    const char* down_name = nvfp4 ? "moe_dec_down_nvfp4_q8" : "moe_dec_down_q2_0_q8";
     std::vector<std::unique_ptr<unsigned char[]>> gate_up, down;
     for (int g = 0; g < groups; g++) {
-        gate_up.push_back(random_blocks(rng, 2 * inter * gu_row, 110));
-        down.push_back(random_blocks(rng, hidden * down_row, 18));
+        gate_up.push_back(random_blocks(rng, 2 * inter * gu_row, gu_bb, nvfp4));
+        down.push_back(random_blocks(rng, hidden * down_row, down_bb, nvfp4));
     }
     // x rows with some zero groups of 32 (amax 0) and some large values.
     const int xrows = 2;
@@ -125,10 +150,12 @@ int main(int argc, char** argv) {
     std::unique_ptr<float[]> ys(new float[(size_t)groups * hidden]);
     const unsigned threads = 32 * 8;
     emu::launch({gu_blocks, (unsigned)groups, 1}, {threads, 1, 1}, gu_smem, [&] {
-        moe_dec_gate_up_iq3s_q8(table.data(), rows.data(), x.get(), act.get(), hidden, inter, (u64)gu_row, interleaved);
+        (nvfp4 ? moe_dec_gate_up_nvfp4_q8 : moe_dec_gate_up_iq3s_q8)(table.data(), rows.data(), x.get(), act.get(),
+                                                                     hidden, inter, (u64)gu_row, interleaved);
     });
     emu::launch({down_blocks, (unsigned)groups, 1}, {threads, 1, 1}, down_smem, [&] {
-        moe_dec_down_q2_0_q8(table.data(), act.get(), ys.get(), hidden, inter, (u64)down_row);
+        (nvfp4 ? moe_dec_down_nvfp4_q8 : moe_dec_down_q2_0_q8)(table.data(), act.get(), ys.get(), hidden, inter,
+                                                               (u64)down_row);
     });
 
     // Gate/up: act = silu(g)·u; errors carried through (silu' ≤ 1.1).
@@ -142,7 +169,7 @@ int main(int argc, char** argv) {
             RowDot d[2];
             for (int m = 0; m < 2; m++) {
                 const int r = interleaved ? 2 * o + m : m * inter + o;
-                d[m] = row_dot(gate_up[g].get() + r * gu_row, hidden, 256, 110, iq3s_weight, xr, q, step);
+                d[m] = row_dot(gate_up[g].get() + r * gu_row, hidden, gu_bw, gu_bb, gu_weight, xr, q, step);
                 d[m].rounded *= mult_gu[g];
                 d[m].rounded_mag *= mult_gu[g];
                 d[m].exact *= mult_gu[g];
@@ -159,10 +186,10 @@ int main(int argc, char** argv) {
             gu_bound_ratio = emu::worst(gu_bound_ratio, std::fabs(got - silu_e * ue) / (allowed * 1.001 + 1e-6 * scale + 1e-30));
         }
     }
-    std::printf("moe_dec_gate_up_iq3s_q8: max error %.3g of Σ|w·x| against the same rounding: %s\n", gu_err,
+    std::printf("%s: max error %.3g of Σ|w·x| against the same rounding: %s\n", gu_name, gu_err,
                 gu_err <= 1e-5 ? "ok" : "TOO LARGE");
-    std::printf("moe_dec_gate_up_iq3s_q8: max error %.3g of the rounding's bound against exact x: %s\n",
-                gu_bound_ratio, gu_bound_ratio <= 1.0 ? "ok" : "TOO LARGE");
+    std::printf("%s: max error %.3g of the rounding's bound against exact x: %s\n", gu_name, gu_bound_ratio,
+                gu_bound_ratio <= 1.0 ? "ok" : "TOO LARGE");
 
     // Down: ys = down · act (the kernel's act as input).
     double down_err = 0, down_bound_ratio = 0;
@@ -170,7 +197,7 @@ int main(int argc, char** argv) {
         const float* ar = act.get() + (size_t)g * inter;
         quantize(ar, inter, q, step);
         for (int o = 0; o < hidden; o++) {
-            const RowDot d = row_dot(down[g].get() + o * down_row, inter, 64, 18, q2_0_weight, ar, q, step);
+            const RowDot d = row_dot(down[g].get() + o * down_row, inter, 64, down_bb, down_weight, ar, q, step);
             const double got = ys[(size_t)g * hidden + o];
             const double m = mult_down[g];
             down_err = emu::worst(down_err, std::fabs(got - m * d.rounded) / (m * d.rounded_mag + 1e-30));
@@ -178,10 +205,10 @@ int main(int argc, char** argv) {
                 down_bound_ratio, std::fabs(got - m * d.exact) / (m * d.bound * 1.001 + 1e-6 * m * d.rounded_mag + 1e-30));
         }
     }
-    std::printf("moe_dec_down_q2_0_q8: max error %.3g of Σ|w·x| against the same rounding: %s\n", down_err,
+    std::printf("%s: max error %.3g of Σ|w·x| against the same rounding: %s\n", down_name, down_err,
                 down_err <= 1e-5 ? "ok" : "TOO LARGE");
-    std::printf("moe_dec_down_q2_0_q8: max error %.3g of the rounding's bound against exact x: %s\n",
-                down_bound_ratio, down_bound_ratio <= 1.0 ? "ok" : "TOO LARGE");
+    std::printf("%s: max error %.3g of the rounding's bound against exact x: %s\n", down_name, down_bound_ratio,
+                down_bound_ratio <= 1.0 ? "ok" : "TOO LARGE");
     const bool ok = gu_err <= 1e-5 && gu_bound_ratio <= 1.0 && down_err <= 1e-5 && down_bound_ratio <= 1.0;
     return ok ? 0 : 1;
 }

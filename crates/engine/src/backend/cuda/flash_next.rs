@@ -36,43 +36,106 @@ const MOE_Q_DOWN_ROWS_PER_WARP: usize = 1;
 fn decode_gate_up_kernel(code: i32, cols: usize) -> Option<&'static str> {
     (code == super::QF_IQ3_S && cols.is_multiple_of(256)).then_some("moe_dec_gate_up_iq3_s")
 }
-/// Warps a block of the fast path's grouped decode kernels takes (`MQ8_WARPS`), and the 8-byte
-/// words a lane of each stages (`MQ8_GATE_UP_STAGE`, `MQ8_DOWN_STAGE`).
+/// Warps a block of the fast path's grouped decode kernels takes (`MQ8_WARPS` in
+/// kernels/moe_quant_decode.cu), and the 8-byte words a lane of each stages (`MQ8_*_STAGE`).
 const MQ8_WARPS: usize = 8;
-const MQ8_GATE_UP_STAGE: usize = 18;
-const MQ8_DOWN_STAGE: usize = 8;
+const MQ8_IQ3S_STAGE: usize = 18;
+const MQ8_Q2_0_STAGE: usize = 6;
+const MQ8_NVFP4_STAGE: usize = 12;
 /// Dynamic shared memory a block may take without opting in (the launches do not).
 const MQ8_MAX_SMEM: usize = 48 << 10;
 
-/// The launch of the fast path's IQ3_S gate/up decode kernel (`moe_dec_gate_up_iq3s_q8`,
-/// kernels/moe_quant_decode.cu) for rows of `hidden` weights, `inter` columns: (blocks along
-/// x, dynamic shared memory bytes), where it takes the shape: whole blocks, column pairs,
-/// 2-row runs on 8-byte boundaries, a warp's four rows within its staging registers.
-pub fn decode_q8_gate_up_plan(hidden: usize, inter: usize) -> Option<(usize, usize)> {
-    let row_bytes = hidden / 256 * 110;
-    let smem = hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS * 4 * row_bytes;
-    (hidden > 0
-        && hidden.is_multiple_of(256)
-        && inter.is_multiple_of(2)
-        && (2 * row_bytes).is_multiple_of(8)
-        && 4 * row_bytes <= 8 * 32 * MQ8_GATE_UP_STAGE
-        && smem <= MQ8_MAX_SMEM)
-        .then_some((inter.div_ceil(2 * MQ8_WARPS), smem))
+/// A launch of one of the fast path's grouped decode expert kernels (kernels/
+/// moe_quant_decode.cu, `moe_dec_*_q8`): its name, blocks along x, dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeQ8Launch {
+    pub kernel: &'static str,
+    pub blocks: usize,
+    pub smem: usize,
 }
 
-/// The launch of the fast path's Q2_0 down decode kernel (`moe_dec_down_q2_0_q8`) for
-/// `hidden` output rows of `inter` weights: (blocks along x, dynamic shared memory bytes),
-/// where it takes the shape (whole 64-weight blocks, whole runs of eight rows within the
-/// staging registers).
-pub fn decode_q8_down_plan(hidden: usize, inter: usize) -> Option<(usize, usize)> {
-    let row_bytes = inter / 64 * 18;
-    let smem = inter + inter / 8 + inter / 4 + MQ8_WARPS * 8 * row_bytes;
+/// Bytes a lane of the fast decode kernels stages in `words` 8-byte registers, for a warp.
+fn staged_bytes(words: usize) -> usize {
+    8 * 32 * words
+}
+
+/// The fast path's gate/up decode kernel for `format` rows of `hidden` weights and `inter`
+/// columns, where one takes the shape: IQ3_S (two columns a warp: whole blocks, 2-row runs on
+/// 8-byte boundaries, four rows within a lane's staging) or NVFP4 (one column a warp, rows
+/// whole multiples of 8 bytes, two rows within the staging).
+pub fn decode_q8_gate_up_plan(
+    format: RowFormat,
+    hidden: usize,
+    inter: usize,
+) -> Option<DecodeQ8Launch> {
+    use crate::quant::GgmlType;
+    let (kernel, cols_per_warp, smem, fits) = match format {
+        RowFormat::Ggml(GgmlType::Iq3S) => {
+            let row = hidden / 256 * 110;
+            (
+                "moe_dec_gate_up_iq3s_q8",
+                2,
+                hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS * 4 * row,
+                hidden.is_multiple_of(256)
+                    && inter.is_multiple_of(2)
+                    && (2 * row).is_multiple_of(8)
+                    && 4 * row <= staged_bytes(MQ8_IQ3S_STAGE),
+            )
+        }
+        RowFormat::Nvfp4 => {
+            let row = hidden / 64 * 36;
+            (
+                "moe_dec_gate_up_nvfp4_q8",
+                1,
+                hidden + hidden / 8 + 1024 + MQ8_WARPS * 2 * row,
+                hidden.is_multiple_of(128) && 2 * row <= staged_bytes(MQ8_NVFP4_STAGE),
+            )
+        }
+        _ => return None,
+    };
+    (hidden > 0 && inter > 0 && fits && smem <= MQ8_MAX_SMEM).then_some(DecodeQ8Launch {
+        kernel,
+        blocks: inter.div_ceil(cols_per_warp * MQ8_WARPS),
+        smem,
+    })
+}
+
+/// The fast path's down decode kernel for `hidden` output rows of `inter` weights in
+/// `format`, where one takes the shape (Q2_0 or NVFP4: whole 64-weight blocks, whole runs of
+/// eight rows within a lane's staging).
+pub fn decode_q8_down_plan(
+    format: RowFormat,
+    hidden: usize,
+    inter: usize,
+) -> Option<DecodeQ8Launch> {
+    use crate::quant::GgmlType;
+    // Q2_0 keeps the sums of x per 16 values (inter / 4 bytes), NVFP4 the E4M3 table (1 KiB).
+    let (kernel, row, words, tables) = match format {
+        RowFormat::Ggml(GgmlType::Q2_0) => (
+            "moe_dec_down_q2_0_q8",
+            inter / 64 * 18,
+            MQ8_Q2_0_STAGE,
+            inter / 4,
+        ),
+        RowFormat::Nvfp4 => (
+            "moe_dec_down_nvfp4_q8",
+            inter / 64 * 36,
+            MQ8_NVFP4_STAGE,
+            1024,
+        ),
+        _ => return None,
+    };
+    let smem = inter + inter / 8 + tables + MQ8_WARPS * 8 * row;
     (inter > 0
         && hidden.is_multiple_of(8)
         && inter.is_multiple_of(64)
-        && 8 * row_bytes <= 8 * 32 * MQ8_DOWN_STAGE
+        && 8 * row <= staged_bytes(words)
         && smem <= MQ8_MAX_SMEM)
-        .then_some((hidden.div_ceil(8 * MQ8_WARPS), smem))
+        .then_some(DecodeQ8Launch {
+            kernel,
+            blocks: hidden.div_ceil(8 * MQ8_WARPS),
+            smem,
+        })
 }
 
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
@@ -728,25 +791,33 @@ impl CudaBackend {
             Some((gq, dq)) => {
                 let gate_up_grid = (ceil_div(inter, warps) as u32, count as u32, 1);
                 let block = (32 * warps as u32, 1, 1);
-                // Every group one row (a decode step): IQ3_S gate/up rows and Q2_0 down rows
-                // (Flash-Next's GGUF experts) have kernels of their own (moe_quant_decode.cu),
-                // int8 activations on the fast path and f32 when exact; other formats the
-                // one-row kernels, with fewer registers than the several-row ones.
+                // Every group one row (a decode step): IQ3_S, Q2_0 and NVFP4 rows have kernels of
+                // their own (moe_quant_decode.cu) with int8 activations on the fast path; when
+                // exact, IQ3_S gate/up rows an f32 one; other formats the one-row kernels, with
+                // fewer registers than the several-row ones.
                 let decode = one_row && self.inner.moe_decode_kernels;
                 let fast =
                     decode && self.inner.moe_decode_q8 && !self.inner.exact && kinds.aligned8;
-                let q8_gate_up = decode_q8_gate_up_plan(hidden, inter).filter(|_| {
-                    fast && gq.code == super::QF_IQ3_S && gq.row_bytes == hidden / 256 * 110
-                });
-                let q8_down = decode_q8_down_plan(hidden, inter).filter(|_| {
-                    fast && dq.code == super::QF_Q2_0 && dq.row_bytes == inter / 64 * 18
-                });
+                // The raw block format of rows of `cols` weights coded `code`, `row_bytes` long.
+                let raw = |code: i32, cols: usize, row_bytes: usize| {
+                    use crate::quant::GgmlType::{Iq3S, Q2_0};
+                    [RowFormat::Ggml(Iq3S), RowFormat::Ggml(Q2_0), RowFormat::Nvfp4]
+                        .into_iter()
+                        .find(|&f| {
+                            super::quant_code(f) == Some(code)
+                                && f.row_bytes(cols).ok() == Some(row_bytes)
+                        })
+                        .filter(|_| fast)
+                };
+                let q8_gate_up = raw(gq.code, hidden, gq.row_bytes)
+                    .and_then(|f| decode_q8_gate_up_plan(f, hidden, inter));
+                let q8_down = raw(dq.code, inter, dq.row_bytes)
+                    .and_then(|f| decode_q8_down_plan(f, hidden, inter));
                 match (
                     q8_gate_up,
                     decode_gate_up_kernel(gq.code, hidden).filter(|_| decode),
                 ) {
-                    (Some((blocks, smem)), _) => launch!(self, "moe_dec_gate_up_iq3s_q8",
-                        (blocks as u32, count as u32, 1), block, smem as u32;
+                    (Some(l), _) => launch!(self, l.kernel, (l.blocks as u32, count as u32, 1), block, l.smem as u32;
                         groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
                         gq.row_bytes as u64, interleaved as i32),
                     (None, Some(name)) => launch!(self, name, gate_up_grid, block, 0;
@@ -758,8 +829,8 @@ impl CudaBackend {
                         gq.row_bytes as u64, interleaved as i32)
                     }
                 }
-                if let Some((blocks, smem)) = q8_down {
-                    launch!(self, "moe_dec_down_q2_0_q8", (blocks as u32, count as u32, 1), block, smem as u32;
+                if let Some(l) = q8_down {
+                    launch!(self, l.kernel, (l.blocks as u32, count as u32, 1), block, l.smem as u32;
                         groups, act.ptr, ys, hidden as i32, inter as i32, dq.row_bytes as u64);
                     return;
                 }
