@@ -529,7 +529,11 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
         return;
     };
     let pairs = [
-        ("iq3s", RowFormat::Ggml(GgmlType::Iq3S), RowFormat::Ggml(GgmlType::Q2_0)),
+        (
+            "iq3s",
+            RowFormat::Ggml(GgmlType::Iq3S),
+            RowFormat::Ggml(GgmlType::Q2_0),
+        ),
         ("nvfp4", RowFormat::Nvfp4, RowFormat::Nvfp4),
     ];
     for (name, gate_up, down) in pairs {
@@ -538,7 +542,17 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
                 .unwrap_or_else(|| panic!("no {name} gate/up plan for {hidden} x {inter}"));
             let dn = decode_q8_down_plan(down, hidden, inter)
                 .unwrap_or_else(|| panic!("no {name} down plan for {hidden} x {inter}"));
-            let args = [groups, hidden, inter, interleaved, 17, gu.blocks, gu.smem, dn.blocks, dn.smem];
+            let args = [
+                groups,
+                hidden,
+                inter,
+                interleaved,
+                17,
+                gu.blocks,
+                gu.smem,
+                dn.blocks,
+                dn.smem,
+            ];
             let out = Command::new(exe)
                 .arg(name)
                 .args(args.iter().map(|a| a.to_string()))

@@ -801,13 +801,17 @@ impl CudaBackend {
                 // The raw block format of rows of `cols` weights coded `code`, `row_bytes` long.
                 let raw = |code: i32, cols: usize, row_bytes: usize| {
                     use crate::quant::GgmlType::{Iq3S, Q2_0};
-                    [RowFormat::Ggml(Iq3S), RowFormat::Ggml(Q2_0), RowFormat::Nvfp4]
-                        .into_iter()
-                        .find(|&f| {
-                            super::quant_code(f) == Some(code)
-                                && f.row_bytes(cols).ok() == Some(row_bytes)
-                        })
-                        .filter(|_| fast)
+                    [
+                        RowFormat::Ggml(Iq3S),
+                        RowFormat::Ggml(Q2_0),
+                        RowFormat::Nvfp4,
+                    ]
+                    .into_iter()
+                    .find(|&f| {
+                        super::quant_code(f) == Some(code)
+                            && f.row_bytes(cols).ok() == Some(row_bytes)
+                    })
+                    .filter(|_| fast)
                 };
                 let q8_gate_up = raw(gq.code, hidden, gq.row_bytes)
                     .and_then(|f| decode_q8_gate_up_plan(f, hidden, inter));
@@ -817,9 +821,11 @@ impl CudaBackend {
                     q8_gate_up,
                     decode_gate_up_kernel(gq.code, hidden).filter(|_| decode),
                 ) {
-                    (Some(l), _) => launch!(self, l.kernel, (l.blocks as u32, count as u32, 1), block, l.smem as u32;
+                    (Some(l), _) => {
+                        launch!(self, l.kernel, (l.blocks as u32, count as u32, 1), block, l.smem as u32;
                         groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
-                        gq.row_bytes as u64, interleaved as i32),
+                        gq.row_bytes as u64, interleaved as i32)
+                    }
                     (None, Some(name)) => launch!(self, name, gate_up_grid, block, 0;
                         groups, rows_ptr, x.ptr(), act.ptr, hidden as i32, inter as i32,
                         gq.row_bytes as u64, interleaved as i32),
