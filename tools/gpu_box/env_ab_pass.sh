@@ -5,12 +5,13 @@
 # and the bench under VAR=value, as <model>-<format>.json and <model>-<format>-<VAR>.json in $OUT/logs.tgz
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
 # (qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
-# 27B NVFP4 decode kernels into $OUT/ncu-detail.txt; NCU_DECODE ("name:model:format …") one
+# 27B NVFP4 decode kernels (or of `bench gpu $NCU_ARGS`) into $OUT/ncu-detail.txt; NCU_DECODE ("name:model:format …") one
 # decode step's kernels of each under ncu into $OUT/<name>.json. HYBRID_CASES
 # ("format:VAR=value …") the hybrid bench at a 15 GiB budget, default and under VAR=value, as
 # hybrid-<format>.json and hybrid-<format>-<VAR>.json; CPU_TOPK ("k …") the IQ3_S CPU expert
 # bench at 16 threads for each top-k, as cpu-experts-iq3_s-top<k>.json (per-call fixed cost:
-# the intercept of time against experts). Logs: $OUT/logs.tgz.
+# the intercept of time against experts), and under $CPU_ENV (VAR=value) as
+# cpu-experts-iq3_s-top<k>-<VAR>.json. Logs: $OUT/logs.tgz.
 source tools/gpu_box/common.sh
 for t in $TESTS; do
   step "$t" 150 ".gpu/tests/$t" --test-threads=1
@@ -42,13 +43,19 @@ for case in $HYBRID_CASES; do
   [ -f "$LOGS/hybrid-$format.json" ] || hybrid "hybrid-$format" "$format"
   ( export "$setting"; hybrid "hybrid-$format-${setting%%=*}" "$format" )
 done
+cpu_experts() { # out-name top-k
+  step "$1" 90 .gpu/capy-flash bench --out "$LOGS/$1.json" \
+    cpu-experts --format iq3_s --threads 16 --batch 1 --top-k "$2"
+}
 for k in $CPU_TOPK; do
-  step "cpu-experts-iq3_s-top$k" 90 .gpu/capy-flash bench --out "$LOGS/cpu-experts-iq3_s-top$k.json" \
-    cpu-experts --format iq3_s --threads 16 --batch 1 --top-k "$k"
+  cpu_experts "cpu-experts-iq3_s-top$k" "$k"
+  # CPU_ENV=VAR=value: each top-k again under it, as cpu-experts-iq3_s-top<k>-<VAR>.json.
+  [ -z "$CPU_ENV" ] || ( export "$CPU_ENV"; cpu_experts "cpu-experts-iq3_s-top$k-${CPU_ENV%%=*}" "$k" )
 done
 for profile in $NCU_DECODE; do
   name=${profile%%:*} rest=${profile#*:}
   ncu_decode_profile "$name" --synthetic "${rest%%:*}" --quant "${rest#*:}"
 done
-[ -z "$NCU_KERNELS" ] || ncu_detail "$NCU_KERNELS" "${NCU_LAUNCHES:-8}"
+# shellcheck disable=SC2086 # NCU_ARGS is a list of arguments
+[ -z "$NCU_KERNELS" ] || ncu_detail "$NCU_KERNELS" "${NCU_LAUNCHES:-8}" $NCU_ARGS
 finish
