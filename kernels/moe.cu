@@ -46,12 +46,59 @@ __device__ __forceinline__ int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 // Experts a lane of the top-k warp holds: up to 32 · MOE_ROUTE_PER_LANE experts.
 #define MOE_ROUTE_PER_LANE 32
 
+#define MOE_DEVICE_MAX_K 64
+
+// A decode row's routing kept on the device (Backend::moe_routed_on_device): the k picks
+// (`ids`, `weights`, readable by every lane of the calling warp) sorted by expert, the order the
+// host groups them in, written as the grouped kernels' tables: group j is expert e's one row
+// (slot j), its pointers (and, with stride 6, multipliers) from `table` [experts, stride] u64.
+// The combine then sums the same terms in the same order as after host grouping, so the two
+// paths agree bit for bit. k ≤ MOE_DEVICE_MAX_K. Each pick's place is its rank (picks of a
+// lower expert, or of the same expert earlier: a stable sort), so every lane writes its picks'
+// entries at once. (One thread sorting into local arrays, in a launch of its own after the
+// routing, took 11.4 µs under ncu: H200, Flash-Next's top 10, 6% of a decode step's time.)
+__device__ __forceinline__ void write_device_groups(const u32* ids, const float* weights, const u64* table, int stride,
+                                                    int k, u64* groups, u32* rows, u32* slots, float* sorted_weights,
+                                                    int lane) {
+    for (int j = lane; j < k; j += 32) {
+        const u32 ej = ids[j];
+        int rank = 0;
+        for (int i = 0; i < k; i++) {
+            const u32 ei = ids[i];
+            rank += ei < ej || (ei == ej && i < j);
+        }
+        const u64* t = table + (u64)ej * stride;
+        u64* g = groups + (u64)rank * stride;
+        g[0] = t[0];
+        g[1] = t[1];
+        g[2] = (u64)rank;
+        g[3] = 1;
+        for (int c = 4; c < stride; c++) g[c] = t[c];
+        rows[rank] = 0;
+        slots[rank] = (u32)rank;
+        sorted_weights[rank] = weights[j];
+    }
+}
+
+// Where moe_route_groups writes the grouped kernels' tables (write_device_groups).
+struct DeviceGroupsOut {
+    const u64* table;
+    int stride;
+    u64* groups;
+    u32* rows;
+    u32* slots;
+    float* sorted_weights;
+};
+
 // One block per row (256 threads). logits [n, stride] (the first `experts` columns; the router's
-// output may carry more, as Flash-Next's shared-expert gate) → ids, weights [n, k].
-extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize,
-                                     int stride) { KERNEL_START();
+// output may carry more, as Flash-Next's shared-expert gate) → ids, weights [n, k]; with GROUPS
+// (one row), the grouped kernels' tables instead (write_device_groups), in the same launch.
+template <bool GROUPS>
+__device__ __forceinline__ void moe_route_impl(const float* logits, u32* ids, float* weights, int experts, int k,
+                                               int normalize, int stride, DeviceGroupsOut out) {
     __shared__ float scratch[32];
     __shared__ float top_p[64];
+    __shared__ u32 top_e[64];
     extern __shared__ float probs[];  // experts floats
     const int r = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -106,49 +153,45 @@ extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weigh
                 }
             }
             if ((be & 31) == lane) taken |= 1u << (be >> 5);
-            if (lane == 0) ids[(u64)r * k + j] = (u32)be;
-            if (lane == j % 32) top_p[j] = bp;
+            if (lane == j % 32) {
+                top_p[j] = bp;
+                top_e[j] = (u32)be;
+            }
             norm += bp;
         }
-        // Lane j writes weight j (the same sum, in pick order, as the one-thread loop it replaces).
+        // Lane j writes pick j's weight (the same sum, in pick order, as the one-thread loop it
+        // replaced).
         if (!normalize) norm = 1.0f;
         __syncwarp();
-        for (int j = lane; j < k; j += 32) weights[(u64)r * k + j] = top_p[j] / norm;
+        for (int j = lane; j < k; j += 32) {
+            if (GROUPS) {
+                top_p[j] = top_p[j] / norm;
+            } else {
+                ids[(u64)r * k + j] = top_e[j];
+                weights[(u64)r * k + j] = top_p[j] / norm;
+            }
+        }
+        if (GROUPS) {
+            __syncwarp();
+            write_device_groups(top_e, top_p, out.table, out.stride, k, out.groups, out.rows, out.slots,
+                                out.sorted_weights, lane);
+        }
     }
 }
 
-#define MOE_DEVICE_MAX_K 64
+extern "C" __global__ void moe_route(const float* logits, u32* ids, float* weights, int experts, int k, int normalize,
+                                     int stride) { KERNEL_START();
+    moe_route_impl<false>(logits, ids, weights, experts, k, normalize, stride, DeviceGroupsOut{});
+}
 
-// A decode row's routing kept on the device (Backend::moe_routed_on_device): moe_route's k
-// picks (ids, weights) sorted by expert, the order the host groups them in, written as the
-// grouped kernels' tables: group j is expert ids[j]'s one row (slot j), its pointers (and,
-// with stride 6, multipliers) from `table` [experts, stride] u64. The combine then sums the
-// same terms in the same order as after host grouping, so the two paths agree bit for bit.
-// One warp; k ≤ MOE_DEVICE_MAX_K. Each pick's place is its rank (picks of a lower expert, or
-// of the same expert earlier: a stable sort), so every lane writes its picks' entries at
-// once. One thread sorting into local arrays and copying the table entries one after
-// another took 11.4 µs under ncu (H200, Flash-Next's top 10), 6% of a decode step's time.
-extern "C" __global__ void moe_device_groups(const u32* ids, const float* weights, const u64* table, int stride, int k,
-                                             u64* groups, u32* rows, u32* slots, float* sorted_weights) { KERNEL_START();
-    if (threadIdx.x >= 32 || blockIdx.x != 0) return;
-    for (int j = threadIdx.x; j < k; j += 32) {
-        const u32 ej = ids[j];
-        int rank = 0;
-        for (int i = 0; i < k; i++) {
-            const u32 ei = ids[i];
-            rank += ei < ej || (ei == ej && i < j);
-        }
-        const u64* t = table + (u64)ej * stride;
-        u64* g = groups + (u64)rank * stride;
-        g[0] = t[0];
-        g[1] = t[1];
-        g[2] = (u64)rank;
-        g[3] = 1;
-        for (int c = 4; c < stride; c++) g[c] = t[c];
-        rows[rank] = 0;
-        slots[rank] = (u32)rank;
-        sorted_weights[rank] = weights[j];
-    }
+// moe_route for one decode row (grid 1) whose picks become the grouped kernels' tables at once
+// (write_device_groups, k ≤ MOE_DEVICE_MAX_K): one launch where a routing launch and a
+// grouping launch reading its output back were two.
+extern "C" __global__ void moe_route_groups(const float* logits, int experts, int k, int normalize, int stride,
+                                            const u64* table, int table_stride, u64* groups, u32* rows, u32* slots,
+                                            float* sorted_weights) { KERNEL_START();
+    moe_route_impl<true>(logits, nullptr, nullptr, experts, k, normalize, stride,
+                         DeviceGroupsOut{table, table_stride, groups, rows, slots, sorted_weights});
 }
 
 // groups [G, 4] u64: gate_up pointer, down pointer, first slot, row count (≤ MOE_MAX_ROWS).

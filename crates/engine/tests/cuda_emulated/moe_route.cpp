@@ -1,7 +1,8 @@
 // kernels/moe.cu `moe_route` on the CPU emulator (emu.hpp): each row's softmax over the router
 // logits, its top k (equal probabilities: the lower expert first, as the CPU's stable sort) and
-// their weights, against a double-precision reference; then `moe_device_groups` on row 0's
-// picks against a stable sort by expert. The logits are well apart except for
+// their weights, against a double-precision reference; then `moe_route_groups` on row 0 (its
+// picks written as the grouped kernels' tables) against a stable sort of moe_route's picks by
+// expert. The logits are well apart except for
 // planted exact duplicates, so the order is decided the same way in f32 and f64.
 //
 // usage: moe_route rows experts k normalize seed
@@ -65,8 +66,9 @@ int main(int argc, char** argv) {
     std::printf("moe_route weights: max relative error %.3g: %s\n", werr, werr <= 1e-5 ? "ok" : "TOO LARGE");
     ok &= werr <= 1e-5;
 
-    // moe_device_groups on row 0's picks: the groups in ascending expert order (a stable sort),
-    // each with its expert's table entry, slot = its place, one row, and the pick's weight.
+    // moe_route_groups on row 0: the groups in ascending expert order (a stable sort of
+    // moe_route's picks), each with its expert's table entry, slot = its place, one row, and the
+    // pick's weight (bit for bit).
     const int stride = 6;
     std::vector<u64> table((size_t)experts * stride);
     for (int e = 0; e < experts; e++)
@@ -74,9 +76,9 @@ int main(int argc, char** argv) {
     std::vector<u64> groups((size_t)k * stride, ~0ull);
     std::vector<u32> grows(k, ~0u), gslots(k, ~0u);
     std::vector<float> sorted(k, -1.0f);
-    emu::launch({1, 1, 1}, {32, 1, 1}, 0, [&] {
-        moe_device_groups(ids.get(), weights.get(), table.data(), stride, k, groups.data(), grows.data(), gslots.data(),
-                          sorted.data());
+    emu::launch({1, 1, 1}, {256, 1, 1}, (size_t)experts * 4, [&] {
+        moe_route_groups(logits.get(), experts, k, normalize, experts, table.data(), stride, groups.data(),
+                         grows.data(), gslots.data(), sorted.data());
     });
     std::vector<int> order(k);
     std::iota(order.begin(), order.end(), 0);
@@ -89,7 +91,7 @@ int main(int argc, char** argv) {
                g[3] != 1 || g[4] != table[(size_t)e * stride + 4] || g[5] != table[(size_t)e * stride + 5];
         bad += grows[j] != 0 || gslots[j] != (u32)j || sorted[j] != weights[order[j]];
     }
-    std::printf("moe_device_groups: %d of %d groups differ from the stable sort by expert: %s\n", bad, k,
+    std::printf("moe_route_groups: %d of %d groups differ from the stable sort by expert: %s\n", bad, k,
                 bad == 0 ? "ok" : "DIFFERENT");
     ok &= bad == 0;
     return ok ? 0 : 1;

@@ -315,7 +315,7 @@ pub(super) fn kernel_files() -> Vec<(&'static str, &'static str, Vec<String>)> {
                 "moe_swiglu_bf16",
                 "moe_combine",
                 "moe_shared_gate",
-                "moe_device_groups",
+                "moe_route_groups",
             ]),
         ),
     ]
@@ -859,9 +859,9 @@ impl CudaBackend {
     }
 
     /// Backend::moe_routed_on_device: one decode row, experts of one kind the grouped kernels
-    /// take (all quantized alike, or all dense of one dtype). `moe_route` writes the picks on
-    /// the device, `moe_device_groups` turns them into the grouped kernels' tables from the
-    /// layer's expert table (uploaded once, `expert_table`), and the combine sums as after
+    /// take (all quantized alike, or all dense of one dtype). `moe_route_groups` picks the
+    /// experts on the device and writes them as the grouped kernels' tables from the layer's
+    /// expert table (uploaded once, `expert_table`), and the combine sums as after
     /// host grouping (adding the gated shared expert, where given): the same arithmetic, bit
     /// for bit the same output, no host round trip.
     pub(super) fn fn_moe_routed_on_device(
@@ -891,20 +891,17 @@ impl CudaBackend {
         }
         let stride = kinds.group_len();
         let table = self.expert_table(&kinds, experts);
-        // picks: ids, weights; groups: [k, stride] u64; index tables: rows, slots, weights.
-        let picks = self.alloc(top_k * 8, "MoE routing");
+        // groups: [k, stride] u64; index tables: rows, slots, weights.
         let groups = self.alloc(top_k * stride * 8, "MoE expert groups");
         let index = self.alloc(top_k * 12, "MoE routing tables");
-        let (ids, weights) = (picks.ptr, picks.ptr + (top_k * 4) as u64);
         let (rows_ptr, slots_ptr, sorted_weights) = (
             index.ptr,
             index.ptr + (top_k * 4) as u64,
             index.ptr + (top_k * 8) as u64,
         );
-        launch!(self, "moe_route", (1, 1, 1), (256, 1, 1), (e_count * 4) as u32;
-            logits.ptr(), ids, weights, e_count as i32, top_k as i32, normalize as i32, logits.cols as i32);
-        launch!(self, "moe_device_groups", (1, 1, 1), (32, 1, 1), 0;
-            ids, weights, table, stride as i32, top_k as i32, groups.ptr, rows_ptr, slots_ptr, sorted_weights);
+        launch!(self, "moe_route_groups", (1, 1, 1), (256, 1, 1), (e_count * 4) as u32;
+            logits.ptr(), e_count as i32, top_k as i32, normalize as i32, logits.cols as i32,
+            table, stride as i32, groups.ptr, rows_ptr, slots_ptr, sorted_weights);
         let hidden = x.cols;
         let ys = self.alloc(top_k * hidden * 4, "MoE expert outputs");
         self.launch_expert_groups(
@@ -930,7 +927,7 @@ impl CudaBackend {
         Some(out)
     }
 
-    /// The layer's expert table for `moe_device_groups` (`kinds.group(expert, 0, 0)` of every
+    /// The layer's expert table for `moe_route_groups` (`kinds.group(expert, 0, 0)` of every
     /// expert), uploaded at the first call and kept: keyed by the experts' first pointer and
     /// checked against every pointer, so a table is never used for other experts.
     fn expert_table(&self, kinds: &ExpertKinds, experts: &[ExpertMatrices<CudaMatrix>]) -> u64 {
