@@ -334,6 +334,16 @@ pub fn dots(
     }
 }
 
+/// Starts loading the first bytes of `rows` (up to the kernels' prefetch distance) into the
+/// cache: for the rows a task computes next, so their first lines are not waited for. A hint
+/// only (nothing on other architectures, or with `CAPY_CPU_PREFETCH_BYTES=0`).
+pub fn prefetch_start(rows: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    x86::prefetch_start(rows);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
+}
+
 /// The fast path's reference: integer group sums of the weights' integer values times the
 /// int8 activations, then `Σ (weight scale · activation scale) · group sum` in f32.
 pub fn fast_dot_scalar(spec: &ActSpec, row: &[u8], act: &Act<'_>) -> f32 {
@@ -440,6 +450,15 @@ mod x86 {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(4096)
         })
+    }
+
+    /// Prefetches the first `prefetch_bytes()` of `rows` (see [`super::prefetch_start`]).
+    pub(super) fn prefetch_start(rows: &[u8]) {
+        let end = rows.len().min(prefetch_bytes());
+        for at in (0..end).step_by(64) {
+            // SAFETY: a prefetch is a hint; `at` lies within `rows`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(at) as *const i8) };
+        }
     }
 
     /// Software prefetch of a call's rows, `ahead` bytes in front of the row being computed:

@@ -777,13 +777,20 @@ fn moe_experts_on(
                 t * DOWN_ROWS_PER_TASK,
                 ((t + 1) * DOWN_ROWS_PER_TASK).min(h_dim),
             );
+            let start = set.row_range(ExpertMatrix::Down, j0).start;
+            let rows_of = |e: u32| &set.record(e as usize)[start..start + (j1 - j0) * d_row];
             for (a, &e) in active.iter().enumerate() {
                 wait_ready(a);
+                // Each expert's rows here are a short run (16 Q2_0 rows of Flash-Next: 2.9 KB)
+                // in a new place: the next expert's first lines load while this one computes,
+                // instead of being waited for at its start.
+                if let Some(&next) = active.get(a + 1) {
+                    fused::prefetch_start(rows_of(next));
+                }
                 let e = e as usize;
                 let md = set.multipliers(e)[2];
                 let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
-                let start = set.row_range(ExpertMatrix::Down, j0).start;
-                let bytes = &set.record(e)[start..start + (j1 - j0) * d_row];
+                let bytes = rows_of(e as u32);
                 let mut done = 0;
                 while done < p1 - p0 {
                     let chunk = (p1 - p0 - done).min(PAIRS_PER_CHUNK);
