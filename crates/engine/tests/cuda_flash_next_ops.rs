@@ -640,6 +640,73 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
     }
 }
 
+/// The fast path's decode experts (one row: kernels/moe_quant_decode.cu's int8 kernels, IQ3_S
+/// with Q2_0 and NVFP4, at Flash-Next's shape) against the CPU's exact sums, routed on the host
+/// and on the device: x and the SwiGLU output are rounded to int8 per 32 values, so the check is
+/// relative to the output's size (a misplaced row or expert is off by ~100%). The exact GPU
+/// path must differ from them (else the int8 kernels did not run).
+#[test]
+fn quantized_decode_experts_on_the_fast_path_stay_near_exact() {
+    use capy_engine::backend::cpu::experts::RowFormat;
+    let (Some(exact), Ok(fast)) = (gpu(), CudaBackend::with_exact_math(0, None, false)) else {
+        return println!("skipping: no usable CUDA device");
+    };
+    let c = CpuBackend::new();
+    let mut r = Rng(13);
+    let (hidden, inter, count, k) = (2560usize, 640usize, 24usize, 4usize);
+    for (gate_fmt, down_fmt) in [("iq3_s", "q2_0"), ("nvfp4", "nvfp4")] {
+        let formats = (
+            RowFormat::parse(gate_fmt).unwrap(),
+            RowFormat::parse(down_fmt).unwrap(),
+        );
+        let (ec, eg) = quant_experts_pair(&fast, formats, count, hidden, inter, 700);
+        let (_, ee) = quant_experts_pair(&exact, formats, count, hidden, inter, 700);
+        let logits = r.vec(count + 1, 2.0);
+        let x = r.vec(hidden, 1.0);
+        let routing = c.moe_route(&c.from_host(1, count, &logits[..count]), k, true);
+        let want = c
+            .moe_experts(&c.from_host(1, hidden, &x), &routing, &ec)
+            .data;
+        let xg = fast.from_host(1, hidden, &x);
+        let host_routed = fast.to_host(&fast.moe_experts(&xg, &routing, &eg));
+        let device_routed = fast.to_host(
+            &fast
+                .moe_routed_on_device(
+                    &xg,
+                    &fast.from_host(1, count + 1, &logits),
+                    k,
+                    true,
+                    &eg,
+                    None,
+                )
+                .expect("the device routing takes a decode row"),
+        );
+        let exact_out =
+            exact.to_host(&exact.moe_experts(&exact.from_host(1, hidden, &x), &routing, &ee));
+        assert_ne!(
+            host_routed, exact_out,
+            "{gate_fmt}/{down_fmt}: the fast path computed the exact sums"
+        );
+        let scale = rms(want.iter().copied());
+        for (how, got) in [("host", &host_routed), ("device", &device_routed)] {
+            let err = rms(got.iter().zip(&want).map(|(g, w)| g - w));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            println!(
+                "fast decode experts {gate_fmt}/{down_fmt}, routed on the {how}: rms {scale:.3e}, rms |Δ| {err:.3e}, max |Δ| {worst:.3e}"
+            );
+            assert!(scale > 0.0 && got.iter().all(|v| v.is_finite()));
+            assert!(
+                err <= 3e-2 * scale && (worst as f64) <= 0.15 * scale,
+                "fast decode experts {gate_fmt}/{down_fmt} routed on the {how}: rms |Δ| {err:.3e}, max |Δ| {worst:.3e} against an output rms of {scale:.3e}"
+            );
+        }
+    }
+}
+
 /// QSA prefill on the fast path (the masked dense attention on BF16 tensor cores) against the
 /// CPU's exact sparse attention: BF16 rounds Q, K, V and the probabilities, so the check is
 /// relative to the output's size; attending a wrong token set moves rows by far more.
