@@ -206,7 +206,7 @@ __device__ __forceinline__ u32 mq8_u16(const unsigned char* p) { return *(const 
 // gate rows then the two up rows), 8 lanes a row, lane j decoding sub-block j of each block.
 // Needs hidden % 256 == 0, inter % 2 == 0, 4 · row_bytes ≤ 8 · 32 · MQ8_IQ3S_STAGE, and
 // 8-byte aligned matrices (2 · row_bytes is a multiple of 8 for IQ3_S).
-// Dynamic shared memory: hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS · 4 · row_bytes bytes.
+// Dynamic shared memory: hidden + hidden / 8 + 2048 + MQ8_WARPS · 4 · row_bytes bytes.
 extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32* rows, const float* x, float* act,
                                                    int hidden, int inter, u64 row_bytes, int interleaved) {
     KERNEL_START();
@@ -216,8 +216,7 @@ extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32*
     signed char* xq = (signed char*)mq8_smem;
     float* step = (float*)(mq8_smem + hidden);
     u32* grid = (u32*)(step + (hidden >> 5));
-    u32* neg = grid + 512;
-    unsigned char* wbuf = (unsigned char*)(neg + 16) + (u64)warp * 4 * row_bytes;
+    unsigned char* wbuf = (unsigned char*)(grid + 512) + (u64)warp * 4 * row_bytes;
     const u64* g = groups + (u64)blockIdx.y * 6;
     const unsigned char* w = (const unsigned char*)g[0];
     const int off = (int)g[2];
@@ -233,9 +232,6 @@ extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32*
         staged.load(gate, pair, up, pair, lane);
     }
     for (int i = threadIdx.x; i < 512; i += blockDim.x) grid[i] = QT_IQ3S[i];
-    // neg[n]: 0xFE in the bytes whose sign bit (of the nibble n) is set; every grid byte is
-    // odd, and an odd g xor 0xFE is −g in two's complement.
-    if (threadIdx.x < 16) neg[threadIdx.x] = (((u32)threadIdx.x * 0x00204081u) & 0x01010101u) * 0xFEu;
     mq8_quantize(x + (u64)rows[off] * hidden, hidden, xq, step, nullptr, MQ8_NATURAL);
     if (active) staged.store(wbuf, lane);
     __syncthreads();
@@ -262,7 +258,12 @@ extern "C" __global__ void moe_dec_gate_up_iq3s_q8(const u64* groups, const u32*
         for (int e = 0; e < 8; e++) {
             const u32 q = e < 4 ? qs01 : qs23;
             const u32 idx = ((q >> (8 * (e & 3))) & 255u) | (((qh >> e) & 1u) << 8);
-            const u32 v = grid[idx] ^ neg[(signs >> (4 * e)) & 15u];
+            // 0xFE in the bytes whose sign bit is set (every grid byte is odd, and an odd g
+            // xor 0xFE is −g in two's complement). The entry's 4 sign bits are spread by
+            // arithmetic: a 16-entry table lookup conflicted in the banks (under ncu on an
+            // H100 the kernel took 22 µs a layer with it, bound by shared-memory wavefronts).
+            const u32 neg = ((((signs >> (4 * e)) & 15u) * 0x00204081u) & 0x01010101u) * 0xFEu;
+            const u32 v = grid[idx] ^ neg;
             isum = __dp4a((int)v, (int)xw[e], isum);
         }
         acc = fmaf(d * (float)(1 + 2 * (int)sc) * step[s], (float)isum, acc);
@@ -332,6 +333,18 @@ extern "C" __global__ void moe_dec_down_q2_0_q8(const u64* groups, const float* 
     if (q == 0) ys[(u64)off * hidden + o0 + r] = acc * mult;
 }
 
+// Σ w·x over the 16 weights of scale `sub` of the (staged, 4-byte aligned) NVFP4 block at blk,
+// w twice the E2M1 values, against their int8 x at x16 (MQ8_NVFP4_ORDER).
+__device__ __forceinline__ int mq8_nvfp4_dot16(const unsigned char* blk, int sub, const signed char* x16) {
+    const int2 a = e2m1x8_to_i8(*(const u32*)(blk + 4 + 8 * sub));
+    const int2 c = e2m1x8_to_i8(*(const u32*)(blk + 8 + 8 * sub));
+    const uint4 xv = *(const uint4*)x16;
+    int isum = __dp4a(a.x, (int)xv.x, 0);
+    isum = __dp4a(a.y, (int)xv.y, isum);
+    isum = __dp4a(c.x, (int)xv.z, isum);
+    return __dp4a(c.y, (int)xv.w, isum);
+}
+
 // NVFP4 (36-byte blocks of 64 weights: four E4M3 scales, one per 16, then 32 code bytes, weight
 // 2k in the low nibble of byte k; 4-byte aligned), the fast path's gate/up: as the IQ3_S kernel,
 // but a warp takes one column (its gate and up rows, 2 · row_bytes bytes), 16 lanes a row, lane
@@ -372,14 +385,7 @@ extern "C" __global__ void moe_dec_gate_up_nvfp4_q8(const u64* groups, const u32
     for (int q = lane & 15; q < (hidden >> 4); q += 16) {
         const unsigned char* blk = row + 36 * (q >> 2);
         const int sub = q & 3;
-        const int2 a = e2m1x8_to_i8(*(const u32*)(blk + 4 + 8 * sub));
-        const int2 c = e2m1x8_to_i8(*(const u32*)(blk + 8 + 8 * sub));
-        const uint4 xv = *(const uint4*)(xq + 16 * q);
-        int isum = __dp4a(a.x, (int)xv.x, 0);
-        isum = __dp4a(a.y, (int)xv.y, isum);
-        isum = __dp4a(c.x, (int)xv.z, isum);
-        isum = __dp4a(c.y, (int)xv.w, isum);
-        acc = fmaf(e4m3[blk[sub]] * step[q >> 1], (float)isum, acc);
+        acc = fmaf(e4m3[blk[sub]] * step[q >> 1], (float)mq8_nvfp4_dot16(blk, sub, xq + 16 * q), acc);
     }
 #pragma unroll
     for (int m = 1; m < 16; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
@@ -421,14 +427,7 @@ extern "C" __global__ void moe_dec_down_nvfp4_q8(const u64* groups, const float*
     for (int b = 0; b < (inter >> 6); b++) {
         const unsigned char* blk = row + 36 * b;
         const int q = 4 * b + sub;
-        const int2 a = e2m1x8_to_i8(*(const u32*)(blk + 4 + 8 * sub));
-        const int2 c = e2m1x8_to_i8(*(const u32*)(blk + 8 + 8 * sub));
-        const uint4 xv = *(const uint4*)(xq + 16 * q);
-        int isum = __dp4a(a.x, (int)xv.x, 0);
-        isum = __dp4a(a.y, (int)xv.y, isum);
-        isum = __dp4a(c.x, (int)xv.z, isum);
-        isum = __dp4a(c.y, (int)xv.w, isum);
-        acc = fmaf(e4m3[blk[sub]] * step[q >> 1], (float)isum, acc);
+        acc = fmaf(e4m3[blk[sub]] * step[q >> 1], (float)mq8_nvfp4_dot16(blk, sub, xq + 16 * q), acc);
     }
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);

@@ -75,7 +75,7 @@ pub fn decode_q8_gate_up_plan(
             (
                 "moe_dec_gate_up_iq3s_q8",
                 2,
-                hidden + hidden / 8 + 2048 + 64 + MQ8_WARPS * 4 * row,
+                hidden + hidden / 8 + 2048 + MQ8_WARPS * 4 * row,
                 hidden.is_multiple_of(256)
                     && inter.is_multiple_of(2)
                     && (2 * row).is_multiple_of(8)
