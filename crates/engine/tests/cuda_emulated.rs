@@ -184,7 +184,13 @@ driver!(
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
+    run_driver_with(exe, None, args, checks, what);
+}
+
+/// [`run_driver`] with a word before the numeric arguments (a format's name).
+fn run_driver_with(exe: &Path, word: Option<&str>, args: &[usize], checks: usize, what: &str) {
     let out = Command::new(exe)
+        .args(word)
         .args(args.iter().map(|a| a.to_string()))
         .output()
         .expect("running the emulated kernels");
@@ -542,28 +548,24 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
                 .unwrap_or_else(|| panic!("no {name} gate/up plan for {hidden} x {inter}"));
             let dn = decode_q8_down_plan(down, hidden, inter)
                 .unwrap_or_else(|| panic!("no {name} down plan for {hidden} x {inter}"));
-            let args = [
-                groups,
-                hidden,
-                inter,
-                interleaved,
-                17,
-                gu.blocks,
-                gu.smem,
-                dn.blocks,
-                dn.smem,
-            ];
-            let out = Command::new(exe)
-                .arg(name)
-                .args(args.iter().map(|a| a.to_string()))
-                .output()
-                .expect("running the emulated kernels");
-            let text = String::from_utf8_lossy(&out.stdout);
-            println!("{text}");
-            assert!(
-                out.status.success() && text.matches(": ok").count() == 4,
-                "the emulated {name} q8 decode experts ({groups} groups, {hidden} x {inter}) failed:\n{text}\n{}",
-                String::from_utf8_lossy(&out.stderr)
+            run_driver_with(
+                exe,
+                Some(name),
+                &[
+                    groups,
+                    hidden,
+                    inter,
+                    interleaved,
+                    17,
+                    gu.blocks,
+                    gu.smem,
+                    dn.blocks,
+                    dn.smem,
+                ],
+                4,
+                &format!(
+                    "the emulated {name} q8 decode experts ({groups} groups, {hidden} x {inter})"
+                ),
             );
         }
     }
