@@ -52,6 +52,24 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
 #endif
 }
 
+// One warp's tensor-core product d += a·b (PTX mma.m16n8k16, BF16 operands, f32 sums): a is
+// 16×16 row-major, b 16×8 column-major, in the PTX fragment layout (lane = 4·group + t):
+//   a[0] row group, cols 2t..2t+1; a[1] row group+8, same cols; a[2], a[3] the same rows at
+//   cols 2t+8..2t+9; b[0] rows (k) 2t..2t+1 of col group, b[1] rows 2t+8..2t+9;
+//   d[0], d[1] row group, cols 2t..2t+1; d[2], d[3] row group+8.
+// Each u32 holds two BF16 values, the lower index in the low half. Every lane must call it.
+__device__ __forceinline__ void mma_bf16_16x8x16(float* d, const u32* a, const u32* b) {
+#ifdef CAPY_EMULATED
+    emu_mma_bf16_16x8x16(d, a, b);  // tests/cuda_emulated/emu.hpp
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
 // Round to nearest even, NaN kept quiet.
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u32 x = __float_as_uint(f);

@@ -10,7 +10,9 @@
 //! except under `CI=true`, where the compiler is installed and a skip would hide a failure.
 #![cfg(feature = "cuda")]
 
-use capy_engine::backend::cuda::flash_next::{decode_q8_down_plan, decode_q8_gate_up_plan};
+use capy_engine::backend::cuda::flash_next::{
+    decode_q8_down_plan, decode_q8_gate_up_plan, moe_prefill_plan,
+};
 use capy_engine::backend::cuda::{norm_split_plan, norm_threads, ChunkedDeltaRulePlan};
 use capy_engine::backend::DeltaRuleShape;
 use std::path::{Path, PathBuf};
@@ -50,6 +52,11 @@ fn emulator_source(files: &[&str]) -> String {
             .strip_prefix("extern __shared__ ")
             .and_then(|d| d.strip_suffix("[];"))
         {
+            // The dynamic buffer is allocated aligned: an alignment attribute has no place here.
+            let decl = match decl.strip_prefix("__align__(") {
+                Some(rest) => rest.split_once(") ").map_or(decl, |(_, d)| d),
+                None => decl,
+            };
             let (ty, name) = decl
                 .rsplit_once(' ')
                 .unwrap_or_else(|| panic!("{file}: unexpected shared declaration `{t}`"));
@@ -173,6 +180,17 @@ driver!(
     moe_decode_q8_driver,
     "moe_decode_q8",
     ["<quant tables>", "kernels/moe_quant_decode.cu"]
+);
+
+driver!(
+    moe_prefill_driver,
+    "moe_prefill",
+    [
+        "<quant tables>",
+        "kernels/quant_matvec.cu",
+        "kernels/moe_quant.cu",
+        "kernels/moe_prefill.cu"
+    ]
 );
 
 driver!(
@@ -568,5 +586,44 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
                 ),
             );
         }
+    }
+}
+
+/// Prefill's routed experts on the device (cuda_emulated/moe_prefill.cpp), launched as the
+/// engine plans them: the sort by expert into padded blocks, and the tensor-core gate/up and
+/// down kernels reading quantized weights, against double sums, for IQ3_S gate/up with Q2_0
+/// down, for NVFP4 and for Q8_0. Shapes with partial tiles (intermediate columns past a CTA's
+/// 128; with Q8_0's 32-weight blocks, k-steps past the last column), gate/up rows
+/// interleaved, and a skewed routing that gives some experts several blocks and some none.
+#[test]
+fn prefill_experts_on_tensor_cores_match_double_sums() {
+    let Some(exe) = moe_prefill_driver() else {
+        return;
+    };
+    for (name, rows, experts, k, hidden, inter, interleaved) in [
+        ("iq3s", 40, 4, 2, 256, 192, 0),
+        ("nvfp4", 70, 6, 3, 128, 192, 1),
+        ("q8_0", 30, 12, 2, 96, 96, 0),
+    ] {
+        let plan = moe_prefill_plan(rows, k, experts, hidden, inter);
+        run_driver_with(
+            exe,
+            Some(name),
+            &[
+                rows,
+                experts,
+                k,
+                hidden,
+                inter,
+                interleaved,
+                23,
+                plan.max_blocks,
+                plan.gate_up_blocks,
+                plan.down_blocks,
+                plan.smem,
+            ],
+            3,
+            &format!("the emulated {name} prefill experts ({rows} rows, top {k} of {experts})"),
+        );
     }
 }

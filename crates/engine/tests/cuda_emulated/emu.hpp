@@ -37,6 +37,8 @@ struct Dim3 {
 struct Warp {
     std::barrier<> bar{32};
     uint32_t bits[32];
+    // Each lane's operand fragments of a tensor-core product (emu_mma_bf16_16x8x16).
+    uint32_t frag[32][6];
 };
 
 inline thread_local Dim3 thread_idx, block_idx;
@@ -173,6 +175,7 @@ void launch_concurrent(Dim3 grid, Dim3 block, size_t smem, Kernel kernel) {
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+#define __align__(n) alignas(n)
 #define EMU_ASM(...) (emu::unsupported_asm())
 #define __syncthreads() (emu::block_barrier->arrive_and_wait())
 
@@ -187,6 +190,11 @@ struct alignas(8) uint2 {
     unsigned x, y;
 };
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct alignas(8) float2 {
+    float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 struct alignas(8) int2 {
     int x, y;
 };
@@ -265,6 +273,43 @@ inline float emu_f16_to_f32(unsigned short h) {
     const int e = (h >> 10) & 31, m = h & 1023;
     const float mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(1024 + m), e - 25);
     return h & 0x8000 ? -mag : mag;
+}
+// kernels/common.cuh `mma_bf16_16x8x16` (PTX mma.m16n8k16 on the GPU): every lane publishes
+// its a and b fragments, then computes its four outputs from the whole warp's, in the PTX
+// fragment layout written out element by element (common.cuh's comment). The sums are in
+// f32 in k order; the tensor cores' order and rounding inside a product are their own, so
+// tests compare with tolerances.
+inline void emu_mma_bf16_16x8x16(float* d, const unsigned* a, const unsigned* b) {
+    emu::Warp* w = emu::warp;
+    const unsigned lane = emu::lane;
+    for (int i = 0; i < 4; i++) w->frag[lane][i] = a[i];
+    w->frag[lane][4] = b[0];
+    w->frag[lane][5] = b[1];
+    w->bar.arrive_and_wait();
+    auto half = [](unsigned word, int k) {
+        const unsigned bits = (k & 1 ? word >> 16 : word & 0xffffu) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return f;
+    };
+    // A[r][k]: lane 4·(r mod 8) + (k mod 8)/2, register (r ≥ 8) + 2·(k ≥ 8).
+    auto A = [&](int r, int k) { return half(w->frag[4 * (r & 7) + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k); };
+    // B[k][n]: lane 4·n + (k mod 8)/2, register 4 + (k ≥ 8).
+    auto B = [&](int k, int n) { return half(w->frag[4 * n + ((k & 7) >> 1)][4 + (k >> 3)], k); };
+    const int group = (int)lane >> 2, t = (int)lane & 3;
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        const int r = group + 8 * (i >> 1), c = 2 * t + (i & 1);
+        float s = d[i];
+        for (int k = 0; k < 16; k++) s += A(r, k) * B(k, c);
+        out[i] = s;
+    }
+    w->bar.arrive_and_wait();
+    for (int i = 0; i < 4; i++) d[i] = out[i];
+}
+// The low 32 bits of the 64-bit hi:lo shifted right by shift mod 32.
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
 }
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 // dp4a.s32.s32: c plus the products of the four signed byte pairs of a and b.

@@ -138,6 +138,49 @@ pub fn decode_q8_down_plan(
         })
 }
 
+/// Entries (row, pick) a block of the prefill experts' sorted list holds, weight rows a CTA of
+/// their kernels takes, the shared-memory row stride in u32, and the most picks a row the align
+/// kernel sorts (kernels/moe_prefill.cu `MP_BM`, `MP_ROWS`, `MP_STRIDE`, `MP_MAX_K`).
+const MP_BM: usize = 64;
+const MP_ROWS: usize = 256;
+const MP_STRIDE: usize = 36;
+const MP_MAX_K: usize = 16;
+/// Threads of the align kernel's one CTA, and of the expert kernels' CTAs (`MP_WARPS` warps).
+const MP_ALIGN_THREADS: usize = 1024;
+const MP_THREADS: usize = 256;
+
+/// The launches of prefill's routed experts on the device (kernels/moe_prefill.cu) for `rows`
+/// rows routed to `top_k` of `experts` experts of `hidden` × `inter`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoePrefillPlan {
+    /// Blocks of `MP_BM` sorted entries the routing can make at most: every expert's run is
+    /// padded to whole blocks, so at most one partial block per hit expert beyond
+    /// entries / `MP_BM` (the grids' y; CTAs past the routing's count return at once).
+    pub max_blocks: usize,
+    /// CTAs along x of `moe_prefill_gate_up` (128 intermediate columns each) and of
+    /// `moe_prefill_down` (`MP_ROWS` output rows each).
+    pub gate_up_blocks: usize,
+    pub down_blocks: usize,
+    /// Dynamic shared memory of either (weights and inputs of a k-step, the block's entries).
+    pub smem: usize,
+}
+
+pub fn moe_prefill_plan(
+    rows: usize,
+    top_k: usize,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+) -> MoePrefillPlan {
+    let entries = rows * top_k;
+    MoePrefillPlan {
+        max_blocks: entries.div_ceil(MP_BM) + experts.min(entries),
+        gate_up_blocks: inter.div_ceil(MP_ROWS / 2),
+        down_blocks: hidden.div_ceil(MP_ROWS),
+        smem: (MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4,
+    }
+}
+
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
 const QSA_SPLIT: usize = 128;
@@ -874,11 +917,10 @@ impl CudaBackend {
         shared: Option<&CudaTensor>,
     ) -> Option<CudaTensor> {
         let e_count = experts.len();
-        let usable = x.rows == 1
-            && logits.rows == 1
+        let usable = x.rows >= 1
+            && logits.rows == x.rows
             && logits.cols >= e_count + shared.is_some() as usize
             && shared.is_none_or(|s| (s.rows, s.cols) == (x.rows, x.cols))
-            && (1..=MOE_DEVICE_MAX_K.min(e_count)).contains(&top_k)
             && e_count <= MOE_ROUTE_MAX_EXPERTS
             && x.cols > 0
             && self.inner.moe_device_routing.load(Ordering::Relaxed);
@@ -886,7 +928,10 @@ impl CudaBackend {
             return None;
         }
         let kinds = ExpertKinds::of(experts, x.cols);
-        if !kinds.grouped() {
+        if x.rows > 1 {
+            return self.moe_prefill_on_device(x, logits, (top_k, normalize), experts, &kinds, shared);
+        }
+        if !(1..=MOE_DEVICE_MAX_K.min(e_count)).contains(&top_k) || !kinds.grouped() {
             return None;
         }
         let stride = kinds.group_len();
@@ -913,18 +958,92 @@ impl CudaBackend {
             false,
             ys.ptr,
         );
-        let mut out = self.alloc_act(1, hidden, 1);
-        // `CAPY_MOE_SHARED_FUSED=0`: the gated shared expert in two launches of its own, to
-        // measure what the fused combine saves.
+        Some(self.combine_routed(ys.ptr, (slots_ptr, sorted_weights), x, top_k, logits, e_count, shared))
+    }
+
+    /// Prefill rows' routed experts with the routing kept on the device (kernels/
+    /// moe_prefill.cu): route, sort the picks by expert into blocks, gate/up and down on
+    /// tensor cores reading the quantized weights in place, combine. The fast path's, for
+    /// experts of one quantized format per projection, unless `CAPY_MOE_PREFILL_DEVICE=0`;
+    /// `None` otherwise (the host groups the routing and runs `moe_grouped_gemm`).
+    fn moe_prefill_on_device(
+        &self,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        (top_k, normalize): (usize, bool),
+        experts: &[ExpertMatrices<CudaMatrix>],
+        kinds: &ExpertKinds,
+        shared: Option<&CudaTensor>,
+    ) -> Option<CudaTensor> {
+        let (n, hidden, inter, e_count) = (x.rows, x.cols, kinds.inter, experts.len());
+        let (gq, dq) = kinds.quant?;
+        let plan = moe_prefill_plan(n, top_k, e_count, hidden, inter);
+        if self.inner.exact
+            || !self.inner.moe_prefill_device
+            || !(1..=MP_MAX_K.min(e_count)).contains(&top_k)
+            || plan.max_blocks > u16::MAX as usize
+        {
+            return None;
+        }
+        let entries = n * top_k;
+        let routing = self.alloc(entries * 8, "MoE routing");
+        let picked_weights = routing.ptr + (entries * 4) as u64;
+        launch!(self, "moe_route", (n as u32, 1, 1), (256, 1, 1), (e_count * 4) as u32;
+            logits.ptr(), routing.ptr, picked_weights, e_count as i32, top_k as i32,
+            normalize as i32, logits.cols as i32);
+        // One allocation: sorted entries, each block's expert, the combine's slots and weights.
+        let positions = plan.max_blocks * MP_BM;
+        let index = self.alloc(
+            (positions + plan.max_blocks + 2 * entries) * 4,
+            "MoE prefill tables",
+        );
+        let sorted = index.ptr;
+        let block_expert = sorted + (positions * 4) as u64;
+        let combine_slots = block_expert + (plan.max_blocks * 4) as u64;
+        let combine_weights = combine_slots + (entries * 4) as u64;
+        launch!(self, "moe_prefill_align", (1, 1, 1), (MP_ALIGN_THREADS as u32, 1, 1), (3 * e_count * 4) as u32;
+            routing.ptr, picked_weights, n as i32, top_k as i32, e_count as i32,
+            plan.max_blocks as i32, sorted, block_expert, combine_slots, combine_weights);
+        let table = self.expert_table(kinds, experts);
+        let stride = kinds.group_len() as i32;
+        let xb = self.to_16bit(x.ptr(), n * hidden, WeightType::BF16, "MoE prefill inputs");
+        let act = self.alloc(positions * inter * 2, "MoE prefill activations");
+        let block = (MP_THREADS as u32, 1, 1);
+        launch!(self, "moe_prefill_gate_up", (plan.gate_up_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
+            table, stride, block_expert, sorted, top_k as i32, xb.ptr, act.ptr, gq.code,
+            hidden as i32, inter as i32, gq.row_bytes as u64, 0i32);
+        let ys = self.alloc(entries * hidden * 4, "MoE expert outputs");
+        launch!(self, "moe_prefill_down", (plan.down_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
+            table, stride, block_expert, sorted, act.ptr, ys.ptr, dq.code, hidden as i32,
+            inter as i32, dq.row_bytes as u64);
+        Some(self.combine_routed(ys.ptr, (combine_slots, combine_weights), x, top_k, logits, e_count, shared))
+    }
+
+    /// `moe_combine` of routed outputs `ys` by the routing's (slots, weights) tables into a
+    /// new [x.rows, x.cols]: with the gated shared expert in the same pass (unless
+    /// `CAPY_MOE_SHARED_FUSED=0`, then two launches of its own, to measure what that saves).
+    #[allow(clippy::too_many_arguments)]
+    fn combine_routed(
+        &self,
+        ys: u64,
+        (slots, weights): (u64, u64),
+        x: &CudaTensor,
+        top_k: usize,
+        logits: &CudaTensor,
+        e_count: usize,
+        shared: Option<&CudaTensor>,
+    ) -> CudaTensor {
+        let (n, hidden) = (x.rows, x.cols);
+        let mut out = self.alloc_act(n, hidden, n);
         let fused = self.inner.moe_shared_fused.then_some(shared).flatten();
-        launch!(self, "moe_combine", grid_1d(hidden), (256, 1, 1), 0;
-            ys.ptr, slots_ptr, sorted_weights, out.ptr(), 1u64, hidden as i32, top_k as i32,
+        launch!(self, "moe_combine", grid_1d(n * hidden), (256, 1, 1), 0;
+            ys, slots, weights, out.ptr(), n as u64, hidden as i32, top_k as i32,
             fused.map_or(0, |s| s.ptr()), logits.ptr(), logits.cols as i32, e_count as i32);
         if let (None, Some(s)) = (fused, shared) {
             let gated = self.sigmoid_gate_rows(s, logits, e_count);
             self.add_assign(&mut out, &gated);
         }
-        Some(out)
+        out
     }
 
     /// The layer's expert table for `moe_route_groups` (`kinds.group(expert, 0, 0)` of every

@@ -95,6 +95,7 @@ fn quant_functions() -> Vec<String> {
     v.push("moe_dec_down_q2_0_q8".into());
     v.push("moe_dec_gate_up_nvfp4_q8".into());
     v.push("moe_dec_down_nvfp4_q8".into());
+    v.extend(["moe_prefill_align", "moe_prefill_gate_up", "moe_prefill_down"].map(String::from));
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
     v.push("quantize_x_q8r".into());
@@ -112,14 +113,16 @@ fn quant_functions() -> Vec<String> {
 
 /// Every kernel file this backend uses.
 pub fn sources() -> Vec<KernelSource> {
-    // moe_quant.cu (the hybrid cache's grouped quantized experts) decodes with quant_matvec.cu's
-    // `qdecode8`, so it is compiled in the same module.
+    // moe_quant.cu (the hybrid cache's grouped quantized experts) and moe_prefill.cu (prefill's
+    // experts on tensor cores) decode with quant_matvec.cu's `qdecode8`, so they are compiled in
+    // the same module.
     let quant_body = format!(
-        "{}\n{}\n{}\n{}",
+        "{}\n{}\n{}\n{}\n{}",
         quant_tables(),
         include_str!("../../../../../kernels/quant_matvec.cu"),
         include_str!("../../../../../kernels/moe_quant.cu"),
-        include_str!("../../../../../kernels/moe_quant_decode.cu")
+        include_str!("../../../../../kernels/moe_quant_decode.cu"),
+        include_str!("../../../../../kernels/moe_prefill.cu")
     );
     let files: [(&str, &str, Vec<String>); 8] = [
         (

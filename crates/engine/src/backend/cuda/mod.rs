@@ -495,6 +495,10 @@ struct Inner {
     /// On the fast path, those kernels with int8 activations (`moe_dec_*_q8`), unless
     /// `CAPY_MOE_DECODE_Q8=0` (then the f32 ones).
     moe_decode_q8: bool,
+    /// On the fast path, prefill rows' quantized routed experts routed, sorted and computed on
+    /// the device (kernels/moe_prefill.cu), unless `CAPY_MOE_PREFILL_DEVICE=0` (then the host
+    /// groups the routing for grouped cuBLAS GEMMs over dequantized copies).
+    moe_prefill_device: bool,
     /// Each MoE layer's expert table for the device routing, by its first expert's pointer:
     /// the host copy (checked at every use) and the device one.
     expert_tables: Mutex<HashMap<u64, (Vec<u64>, DevBuf)>>,
@@ -1160,6 +1164,7 @@ impl CudaBackend {
                 moe_shared_fused: enabled_unless_zero("CAPY_MOE_SHARED_FUSED"),
                 moe_decode_kernels: enabled_unless_zero("CAPY_MOE_DECODE_KERNELS"),
                 moe_decode_q8: enabled_unless_zero("CAPY_MOE_DECODE_Q8"),
+                moe_prefill_device: enabled_unless_zero("CAPY_MOE_PREFILL_DEVICE"),
                 expert_tables: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto

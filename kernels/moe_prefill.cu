@@ -1,0 +1,274 @@
+// Prefill's routed experts on the device, quantized weights read in their block format, with no
+// host round trip (flash_next.rs `moe_prefill_on_device`, the fast path). Compiled after
+// quant_matvec.cu (`qdecode8`) and moe_quant.cu (`MOE_Q_DISPATCH`).
+//
+// Why: the host path downloads each layer's routing, groups it, dequantizes every hit expert
+// to BF16 in a scratch and runs grouped cuBLAS GEMMs over it. At Flash-Next's shape (8K tokens,
+// top 10 of 512) the GPU then idled while the host grouped and uploaded each layer's tables
+// (about half of a prefill's time on an H100), and the widened experts (~5 GB a layer) were
+// written and read back. Here, as vLLM's fused MoE does:
+//   moe_prefill_align   sorts the (row, pick) entries by expert into blocks of MP_BM, padded
+//                       (the padding slots hold MP_EMPTY), and writes the combine's tables;
+//   moe_prefill_gate_up one block of MP_BM entries × 128 intermediate columns a CTA: the
+//                       expert's gate and up rows decoded into shared memory as BF16 a k-step
+//                       at a time, the entries' x rows (BF16) beside them, tensor-core products
+//                       (mma m16n8k16) and silu(gate)·up written as BF16;
+//   moe_prefill_down    the same for down, [MP_BM entries, inter] → ys [entry, hidden] (f32);
+// then moe.cu's moe_combine sums each row's entries in ascending expert order, as the host
+// path does. Grids are sized for the most blocks the routing can make; the CTAs of blocks past
+// the routing's count find MP_EMPTY and return.
+//
+// Arithmetic: the weights and x rounded to BF16, f32 sums, the expert's multiplier applied to
+// the sums (the host path multiplies each weight before rounding it); the exact path
+// (CAPY_EXACT_MATH=1) keeps the host path's f32 GEMMs.
+
+#define MP_BM 64
+#define MP_BK 64
+#define MP_WARPS 8
+// Weight rows a CTA takes: 2 m16 tiles a warp (gate_up: 16 columns' gate and up rows).
+#define MP_ROWS (MP_WARPS * 32)
+// Shared-memory row stride in u32 (MP_BK BF16 = 32 words, + 4 so that the fragment loads of
+// a warp's 8 groups × 4 lanes fall in 32 different banks).
+#define MP_STRIDE 36
+#define MP_EMPTY 0xffffffffu
+// The most picks per row the align kernel sorts for the combine.
+#define MP_MAX_K 16
+
+// ids [n, k] (moe_route's picks) → sorted [blocks · MP_BM]: entry indices (row · k + pick)
+// grouped by expert, each expert's run starting on a block boundary and padded with MP_EMPTY;
+// block_expert [max_blocks]: each block's expert (MP_EMPTY past the last block);
+// combine_slots/combine_weights [n, k]: each row's entries and weights in ascending expert
+// order (moe_combine's tables, with ys indexed by entry). One CTA; shared memory: 3 u32 an expert.
+extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weights, int n, int k, int experts,
+                                             int max_blocks, u32* sorted, u32* block_expert, u32* combine_slots,
+                                             float* combine_weights) { KERNEL_START();
+    extern __shared__ u32 mp_align_smem[];
+    u32* count = mp_align_smem;
+    u32* first_block = count + experts;
+    u32* cursor = first_block + experts;
+    const int tid = threadIdx.x, threads = blockDim.x;
+    const int entries = n * k;
+    for (int e = tid; e < experts; e += threads) count[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < entries; i += threads) atomicAdd(&count[ids[i]], 1u);
+    __syncthreads();
+    if (tid == 0) {
+        u32 blocks = 0;
+        for (int e = 0; e < experts; e++) {
+            first_block[e] = blocks;
+            blocks += (count[e] + MP_BM - 1) / MP_BM;
+        }
+        cursor[0] = blocks;  // read below, before the cursors are set
+    }
+    __syncthreads();
+    const int used = (int)cursor[0];
+    __syncthreads();
+    for (int e = tid; e < experts; e += threads) {
+        const u32 b0 = first_block[e], nb = (count[e] + MP_BM - 1) / MP_BM;
+        for (u32 b = 0; b < nb; b++) block_expert[b0 + b] = (u32)e;
+        cursor[e] = b0 * MP_BM;
+    }
+    for (int b = used + tid; b < max_blocks; b += threads) block_expert[b] = MP_EMPTY;
+    for (int p = tid; p < used * MP_BM; p += threads) sorted[p] = MP_EMPTY;
+    __syncthreads();
+    // Within an expert the entries land in any order: each is computed on its own.
+    for (int i = tid; i < entries; i += threads) sorted[atomicAdd(&cursor[ids[i]], 1u)] = (u32)i;
+    for (int r = tid; r < n; r += threads) {
+        u32 order[MP_MAX_K];
+        for (int j = 0; j < k; j++) {
+            int at = j;
+            while (at > 0 && ids[r * k + order[at - 1]] > ids[r * k + j]) {
+                order[at] = order[at - 1];
+                at--;
+            }
+            order[at] = (u32)j;
+        }
+        for (int j = 0; j < k; j++) {
+            combine_slots[r * k + j] = (u32)(r * k) + order[j];
+            combine_weights[r * k + j] = weights[r * k + order[j]];
+        }
+    }
+}
+
+// The CTA's shared memory: weights [MP_ROWS][MP_STRIDE], inputs [MP_BM][MP_STRIDE], the
+// block's entries [MP_BM].
+#define MP_SMEM_BYTES ((MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4)
+
+// Decodes group `grp` (0 … 7) of weight row `row`'s k-step at k0 (null row: past the matrix)
+// into shared row `dst` as BF16; columns at or past `cols` are zeros.
+template <int FMT>
+__device__ __forceinline__ void mp_stage_weights(const unsigned char* row, int k0, int cols, int grp, u32* dst) {
+    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int col = k0 + 8 * grp;
+    if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
+    uint4 v;
+    v.x = (u32)f32_to_bf16(f[0]) | ((u32)f32_to_bf16(f[1]) << 16);
+    v.y = (u32)f32_to_bf16(f[2]) | ((u32)f32_to_bf16(f[3]) << 16);
+    v.z = (u32)f32_to_bf16(f[4]) | ((u32)f32_to_bf16(f[5]) << 16);
+    v.w = (u32)f32_to_bf16(f[6]) | ((u32)f32_to_bf16(f[7]) << 16);
+    *(uint4*)(dst + 4 * grp) = v;
+}
+
+// The inputs of the block's entries, k0 … k0 + MP_BK - 1 of each (BF16 rows of `cols`: row
+// `src_row(r, entry)` for the block's r-th entry), into shared memory; padding entries and
+// columns past `cols` are zeros.
+template <typename SrcRow>
+__device__ __forceinline__ void mp_stage_inputs(const u16* src, int cols, int k0, const u32* entries, u32* xs,
+                                                SrcRow src_row) {
+    for (int u = threadIdx.x; u < MP_BM * (MP_BK / 8); u += blockDim.x) {
+        const int r = u / (MP_BK / 8), part = u % (MP_BK / 8);
+        const u32 entry = entries[r];
+        const int col = k0 + 8 * part;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (entry != MP_EMPTY && col < cols) v = *(const uint4*)(src + (u64)src_row(r, entry) * cols + col);
+        *(uint4*)(xs + r * MP_STRIDE + 4 * part) = v;
+    }
+}
+
+// One k-step of a warp's products: its two m16 tiles (shared weight rows m0, m1) against the
+// block's 8 n8 tiles of entries.
+__device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0, int m1, float (*acc)[8][4]) {
+    const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < MP_BK / 16; kk++) {
+        const int c = kk * 8 + t;
+        u32 a[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const u32* w = ws + (m ? m1 : m0) * MP_STRIDE;
+            a[m][0] = w[group * MP_STRIDE + c];
+            a[m][1] = w[(group + 8) * MP_STRIDE + c];
+            a[m][2] = w[group * MP_STRIDE + c + 4];
+            a[m][3] = w[(group + 8) * MP_STRIDE + c + 4];
+        }
+#pragma unroll
+        for (int nt = 0; nt < MP_BM / 8; nt++) {
+            const u32* x = xs + (nt * 8 + group) * MP_STRIDE;
+            const u32 b[2] = {x[c], x[c + 4]};
+            mma_bf16_16x8x16(acc[0][nt], a[0], b);
+            mma_bf16_16x8x16(acc[1][nt], a[1], b);
+        }
+    }
+}
+
+// grid (ceil(inter / 128), max_blocks), MP_WARPS warps, MP_SMEM_BYTES of dynamic shared memory.
+// xb [n, hidden] BF16 (x rounded); act [max_blocks · MP_BM, inter] BF16, rows by sorted position.
+// table [experts, stride] u64: gate_up pointer, down pointer, …, gate_up multiplier at 4.
+template <int FMT>
+__device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int stride, const u32* block_expert,
+                                                         const u32* sorted, int k, const u16* xb, u16* act,
+                                                         int hidden, int inter, u64 row_bytes, int interleaved) {
+    extern __shared__ u32 mp_smem[];
+    u32* ws = mp_smem;
+    u32* xs = ws + MP_ROWS * MP_STRIDE;
+    u32* entries = xs + MP_BM * MP_STRIDE;
+    const u32 e = block_expert[blockIdx.y];
+    if (e == MP_EMPTY) return;
+    const u64* ex = table + (u64)e * stride;
+    const unsigned char* w = (const unsigned char*)ex[0];
+    const float mult = __uint_as_float((u32)ex[4]);
+    const int c0 = blockIdx.x * (MP_ROWS / 2);
+    const u64 pos0 = (u64)blockIdx.y * MP_BM;
+    for (int r = threadIdx.x; r < MP_BM; r += blockDim.x) entries[r] = sorted[pos0 + r];
+    float acc[2][8][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
+    const int warp = threadIdx.x >> 5;
+    for (int k0 = 0; k0 < hidden; k0 += MP_BK) {
+        __syncthreads();  // the entries are in; the previous step's products are done
+        // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows.
+        for (int u = threadIdx.x; u < MP_ROWS * (MP_BK / 8); u += blockDim.x) {
+            const int r = u / (MP_BK / 8), grp = u % (MP_BK / 8);
+            const int c = c0 + (r % (MP_ROWS / 2)), up = r / (MP_ROWS / 2);
+            const u64 wr = interleaved ? 2 * (u64)c + up : (u64)up * inter + c;
+            mp_stage_weights<FMT>(c < inter ? w + wr * row_bytes : nullptr, k0, hidden, grp, ws + r * MP_STRIDE);
+        }
+        mp_stage_inputs(xb, hidden, k0, entries, xs, [k](int, u32 entry) { return entry / (u32)k; });
+        __syncthreads();
+        mp_mma_step(ws, xs, 16 * warp, MP_ROWS / 2 + 16 * warp, acc);
+    }
+    const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = c0 + 16 * warp + group + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
+            if (c < inter && entries[col] != MP_EMPTY) {
+                const float g = acc[0][nt][i] * mult, u = acc[1][nt][i] * mult;
+                act[(pos0 + col) * inter + c] = f32_to_bf16(silu_f(g) * u);
+            }
+        }
+}
+
+// grid (ceil(hidden / MP_ROWS), max_blocks), as moe_prefill_gate_up. act as it wrote it; ys
+// [n · k, hidden] f32 by entry; the down multiplier at table column 5.
+template <int FMT>
+__device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stride, const u32* block_expert,
+                                                      const u32* sorted, const u16* act, float* ys, int hidden,
+                                                      int inter, u64 row_bytes) {
+    extern __shared__ u32 mp_smem[];
+    u32* ws = mp_smem;
+    u32* xs = ws + MP_ROWS * MP_STRIDE;
+    u32* entries = xs + MP_BM * MP_STRIDE;
+    const u32 e = block_expert[blockIdx.y];
+    if (e == MP_EMPTY) return;
+    const u64* ex = table + (u64)e * stride;
+    const unsigned char* w = (const unsigned char*)ex[1];
+    const float mult = __uint_as_float((u32)ex[5]);
+    const int o0 = blockIdx.x * MP_ROWS;
+    const u64 pos0 = (u64)blockIdx.y * MP_BM;
+    for (int r = threadIdx.x; r < MP_BM; r += blockDim.x) entries[r] = sorted[pos0 + r];
+    float acc[2][8][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
+    const int warp = threadIdx.x >> 5;
+    for (int k0 = 0; k0 < inter; k0 += MP_BK) {
+        __syncthreads();
+        for (int u = threadIdx.x; u < MP_ROWS * (MP_BK / 8); u += blockDim.x) {
+            const int r = u / (MP_BK / 8), grp = u % (MP_BK / 8);
+            const int o = o0 + r;
+            mp_stage_weights<FMT>(o < hidden ? w + (u64)o * row_bytes : nullptr, k0, inter, grp, ws + r * MP_STRIDE);
+        }
+        // The block's act rows are its own positions (padding rows, never written, are not read).
+        mp_stage_inputs(act + pos0 * inter, inter, k0, entries, xs, [](int r, u32) { return (u32)r; });
+        __syncthreads();
+        mp_mma_step(ws, xs, 32 * warp, 32 * warp + 16, acc);
+    }
+    const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int o = o0 + 32 * warp + 16 * m + group + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
+                const u32 entry = entries[col];
+                if (o < hidden && entry != MP_EMPTY) ys[(u64)entry * hidden + o] = acc[m][nt][i] * mult;
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(MP_WARPS * 32)
+    moe_prefill_gate_up(const u64* table, int stride, const u32* block_expert, const u32* sorted, int k,
+                        const u16* xb, u16* act, int fmt, int hidden, int inter, u64 row_bytes,
+                        int interleaved) { KERNEL_START();
+#define MP_GU(F) \
+    moe_prefill_gate_up_impl<F>(table, stride, block_expert, sorted, k, xb, act, hidden, inter, row_bytes, interleaved)
+    MOE_Q_DISPATCH(MP_GU)
+#undef MP_GU
+}
+
+extern "C" __global__ void __launch_bounds__(MP_WARPS * 32)
+    moe_prefill_down(const u64* table, int stride, const u32* block_expert, const u32* sorted, const u16* act,
+                     float* ys, int fmt, int hidden, int inter, u64 row_bytes) { KERNEL_START();
+#define MP_D(F) moe_prefill_down_impl<F>(table, stride, block_expert, sorted, act, ys, hidden, inter, row_bytes)
+    MOE_Q_DISPATCH(MP_D)
+#undef MP_D
+}
