@@ -537,7 +537,7 @@ fn quantized_routed_experts_match_cpu() {
 /// experts (Flash-Next's IQ3_S gate‖up with Q2_0 down, and NVFP4) and dense BF16 ones, top 10
 /// of 64 from router logits with one column more (the shared expert's gate), both
 /// normalisations; and with the gated shared expert added in its combine. It declines what it
-/// does not take: several rows, experts of mixed kinds.
+/// does not take: several rows on the exact path, experts of mixed kinds.
 #[test]
 fn device_routed_experts_equal_host_routing() {
     use capy_engine::backend::cpu::experts::RowFormat;
@@ -598,7 +598,7 @@ fn device_routed_experts_equal_host_routing() {
     assert!(
         g.moe_routed_on_device(&two_rows, &two_logits, k, true, eg, None)
             .is_none(),
-        "two rows are routed on the host"
+        "two rows are routed on the host on the exact path"
     );
     let iq3s = (
         RowFormat::parse("iq3_s").unwrap(),
@@ -649,6 +649,86 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
             &want,
             (1e-2, 0.1),
             &format!("fast moe_experts {gate_fmt}/{down_fmt} {n} rows"),
+        );
+    }
+}
+
+/// Prefill rows routed on the device on the fast path (kernels/moe_prefill.cu: the picks sorted
+/// by expert into blocks, tensor-core gate/up and down on the quantized weights in place), at
+/// Flash-Next's shape with experts of several blocks: against the CPU's exact sums and the
+/// host-grouped fast path (both round weights and x to BF16, so the check is relative to the
+/// output's size), with and without the gated shared expert. The exact path and a backend with
+/// the device routing switched off decline several rows.
+#[test]
+fn quantized_prefill_experts_routed_on_the_device_stay_near_exact() {
+    use capy_engine::backend::cpu::experts::RowFormat;
+    let (Some(exact), Ok(fast)) = (gpu(), CudaBackend::with_exact_math(0, None, false)) else {
+        return println!("skipping: no usable CUDA device");
+    };
+    let c = CpuBackend::new();
+    let mut r = Rng(14);
+    let (hidden, inter, count, k, n) = (2560usize, 640usize, 24usize, 4usize, 500usize);
+    for (gate_fmt, down_fmt) in [("iq3_s", "q2_0"), ("nvfp4", "nvfp4")] {
+        let formats = (
+            RowFormat::parse(gate_fmt).unwrap(),
+            RowFormat::parse(down_fmt).unwrap(),
+        );
+        let (ec, eg) = quant_experts_pair(&fast, formats, count, hidden, inter, 900);
+        // One column more than the experts: the shared expert's gate.
+        let logits = r.vec(n * (count + 1), 2.0);
+        let x = r.vec(n * hidden, 1.0);
+        let shared = r.vec(n * hidden, 1.0);
+        let (lc, lg) = pair(&fast, n, count + 1, &logits);
+        let routing = c.moe_route(&c.cols(&lc, 0..count), k, true);
+        let xc = c.from_host(n, hidden, &x);
+        let want = c.moe_experts(&xc, &routing, &ec).data;
+        let xg = fast.from_host(n, hidden, &x);
+        let device = fast
+            .moe_routed_on_device(&xg, &lg, k, true, &eg, None)
+            .expect("the fast path routes prefill rows on the device");
+        let what = format!("prefill experts {gate_fmt}/{down_fmt} routed on the device, {n} rows");
+        assert_near_exact(&fast.to_host(&device), &want, (1e-2, 0.1), &what);
+        fast.set_moe_device_routing(false);
+        let host_grouped = fast.to_host(&fast.moe_experts(&xg, &routing, &eg));
+        assert!(
+            fast.moe_routed_on_device(&xg, &lg, k, true, &eg, None)
+                .is_none(),
+            "the device routing switched off declines"
+        );
+        fast.set_moe_device_routing(true);
+        assert_near_exact(
+            &fast.to_host(&device),
+            &host_grouped,
+            (1e-2, 0.1),
+            &format!("{what}, against the host-grouped fast path"),
+        );
+        // The gated shared expert added in the combine, as sigmoid_gate_rows then add_assign.
+        let sg = fast.from_host(n, hidden, &shared);
+        let with_shared = fast
+            .moe_routed_on_device(&xg, &lg, k, true, &eg, Some(&sg))
+            .expect("routed on the device with a shared expert");
+        let sc = c.from_host(n, hidden, &shared);
+        let mut want_shared = c.moe_experts(&xc, &routing, &ec);
+        c.add_assign(&mut want_shared, &c.sigmoid_gate_rows(&sc, &lc, count));
+        assert_near_exact(
+            &fast.to_host(&with_shared),
+            &want_shared.data,
+            (1e-2, 0.1),
+            &format!("{what}, with the shared expert"),
+        );
+        let (_, ee) = quant_experts_pair(&exact, formats, count, hidden, inter, 900);
+        assert!(
+            exact
+                .moe_routed_on_device(
+                    &exact.from_host(n, hidden, &x),
+                    &exact.from_host(n, count + 1, &logits),
+                    k,
+                    true,
+                    &ee,
+                    None
+                )
+                .is_none(),
+            "the exact path routes prefill rows on the host"
         );
     }
 }

@@ -929,7 +929,14 @@ impl CudaBackend {
         }
         let kinds = ExpertKinds::of(experts, x.cols);
         if x.rows > 1 {
-            return self.moe_prefill_on_device(x, logits, (top_k, normalize), experts, &kinds, shared);
+            return self.moe_prefill_on_device(
+                x,
+                logits,
+                (top_k, normalize),
+                experts,
+                &kinds,
+                shared,
+            );
         }
         if !(1..=MOE_DEVICE_MAX_K.min(e_count)).contains(&top_k) || !kinds.grouped() {
             return None;
@@ -958,7 +965,15 @@ impl CudaBackend {
             false,
             ys.ptr,
         );
-        Some(self.combine_routed(ys.ptr, (slots_ptr, sorted_weights), x, top_k, logits, e_count, shared))
+        Some(self.combine_routed(
+            ys.ptr,
+            (slots_ptr, sorted_weights),
+            x,
+            top_k,
+            logits,
+            e_count,
+            shared,
+        ))
     }
 
     /// Prefill rows' routed experts with the routing kept on the device (kernels/
@@ -1016,7 +1031,15 @@ impl CudaBackend {
         launch!(self, "moe_prefill_down", (plan.down_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
             table, stride, block_expert, sorted, act.ptr, ys.ptr, dq.code, hidden as i32,
             inter as i32, dq.row_bytes as u64);
-        Some(self.combine_routed(ys.ptr, (combine_slots, combine_weights), x, top_k, logits, e_count, shared))
+        Some(self.combine_routed(
+            ys.ptr,
+            (combine_slots, combine_weights),
+            x,
+            top_k,
+            logits,
+            e_count,
+            shared,
+        ))
     }
 
     /// `moe_combine` of routed outputs `ys` by the routing's (slots, weights) tables into a
@@ -1514,7 +1537,8 @@ fn bf16_bench_experts(
 }
 
 /// GPU time of the Flash-Next ops at the real shapes, each alone: routed experts for one decode
-/// token (10 experts, grouped matvec) and for a prefill batch (GEMM per expert), QSA decode at
+/// token (10 experts, grouped matvec) and for a prefill batch (host-grouped GEMMs, and routed on
+/// the device where the backend takes the experts there), QSA decode at
 /// `context` and QSA prefill of `context` queries.
 fn flash_next_op_timings(
     b: &CudaBackend,
@@ -1543,6 +1567,22 @@ fn flash_next_op_timings(
     let rn = routing(context);
     drop(b.moe_experts(&xn, &rn, ex));
     let moe_prefill_ms = b.time_ms(|| drop(b.moe_experts(&xn, &rn, ex)))?;
+    // The same routing kept on the device (the fast path's quantized experts): logits that
+    // pick each row's experts of `rn`.
+    let mut picks = vec![0f32; context * experts];
+    for (i, &e) in rn.experts.iter().enumerate() {
+        picks[i / k * experts + e as usize] = 1.0;
+    }
+    let logits = b.from_host(context, experts, &picks);
+    let moe_prefill_device_ms = match b.moe_routed_on_device(&xn, &logits, k, true, ex, None) {
+        Some(out) => {
+            drop(out);
+            let routed = || drop(b.moe_routed_on_device(&xn, &logits, k, true, ex, None));
+            Some(b.time_ms(routed)?)
+        }
+        None => None,
+    };
+    let prefill_flop = 2.0 * (context * k * 3 * MOE_INTERMEDIATE * h) as f64;
     let (a, s) = attention_shapes();
     let mut rng = 1u64;
     let mut rand = |n: usize| -> Vec<f32> {
@@ -1575,7 +1615,10 @@ fn flash_next_op_timings(
         "moe_experts_decode_bytes_per_s": k as f64 * expert_bytes / (moe_decode_ms as f64 / 1e3),
         "moe_experts_prefill_tokens": context,
         "moe_experts_prefill_ms": moe_prefill_ms,
-        "moe_experts_prefill_flop_per_s": 2.0 * (context * k * 3 * MOE_INTERMEDIATE * h) as f64 / (moe_prefill_ms as f64 / 1e3),
+        "moe_experts_prefill_flop_per_s": prefill_flop / (moe_prefill_ms as f64 / 1e3),
+        "moe_experts_prefill_device_routed_ms": moe_prefill_device_ms,
+        "moe_experts_prefill_device_routed_flop_per_s": moe_prefill_device_ms.map(|ms| prefill_flop / (ms as f64 / 1e3)),
+        "moe_experts_prefill_device_over_host_grouped_speedup_ratio": moe_prefill_device_ms.map(|ms| moe_prefill_ms as f64 / ms as f64),
         "qsa_decode_ms_at_context": qsa_decode_ms,
         "qsa_prefill_ms": qsa_prefill_ms,
     }))

@@ -95,7 +95,14 @@ fn quant_functions() -> Vec<String> {
     v.push("moe_dec_down_q2_0_q8".into());
     v.push("moe_dec_gate_up_nvfp4_q8".into());
     v.push("moe_dec_down_nvfp4_q8".into());
-    v.extend(["moe_prefill_align", "moe_prefill_gate_up", "moe_prefill_down"].map(String::from));
+    v.extend(
+        [
+            "moe_prefill_align",
+            "moe_prefill_gate_up",
+            "moe_prefill_down",
+        ]
+        .map(String::from),
+    );
     v.push("quant_matvec_nvfp4_q8".into());
     v.push("quant_matvec_iq3s_q8".into());
     v.push("quantize_x_q8r".into());

@@ -1292,8 +1292,8 @@ impl CudaBackend {
         self.inner.device_argmax.store(on, Ordering::Relaxed);
     }
 
-    /// A decode row's MoE routing kept on the device, or read back to group the experts on the
-    /// host (tests run both).
+    /// MoE routing kept on the device (a decode row; prefill rows of quantized experts on the
+    /// fast path), or read back to group the experts on the host (tests run both).
     pub fn set_moe_device_routing(&self, on: bool) {
         self.inner.moe_device_routing.store(on, Ordering::Relaxed);
     }
