@@ -94,19 +94,32 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
 // block's entries [MP_BM].
 #define MP_SMEM_BYTES ((MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4)
 
-// Decodes group `grp` (0 … 7) of weight row `row`'s k-step at k0 (null row: past the matrix)
-// into shared row `dst` as BF16; columns at or past `cols` are zeros.
-template <int FMT>
-__device__ __forceinline__ void mp_stage_weights(const unsigned char* row, int k0, int cols, int grp, u32* dst) {
-    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// Weight groups of 8 a thread decodes a k-step (the CTA has MP_WARPS · 32 threads).
+#define MP_UNITS (MP_ROWS * (MP_BK / 8) / (MP_WARPS * 32))
+
+// The k-step at k0 of the tile's MP_ROWS weight rows (`row_of(r)`: row r's bytes, null past
+// the matrix) decoded into shared memory as BF16; columns at or past `cols` are zeros. Each
+// thread decodes its MP_UNITS groups into registers first and stores them after: the groups'
+// global loads are independent, so all are in flight at once (storing each group before
+// decoding the next would wait out a memory latency per group).
+template <int FMT, typename RowOf>
+__device__ __forceinline__ void mp_stage_weights(int k0, int cols, u32* ws, RowOf row_of) {
+    const int grp = threadIdx.x % (MP_BK / 8), r0 = threadIdx.x / (MP_BK / 8);
     const int col = k0 + 8 * grp;
-    if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
-    uint4 v;
-    v.x = (u32)f32_to_bf16(f[0]) | ((u32)f32_to_bf16(f[1]) << 16);
-    v.y = (u32)f32_to_bf16(f[2]) | ((u32)f32_to_bf16(f[3]) << 16);
-    v.z = (u32)f32_to_bf16(f[4]) | ((u32)f32_to_bf16(f[5]) << 16);
-    v.w = (u32)f32_to_bf16(f[6]) | ((u32)f32_to_bf16(f[7]) << 16);
-    *(uint4*)(dst + 4 * grp) = v;
+    u32 packed[MP_UNITS][4];
+#pragma unroll
+    for (int i = 0; i < MP_UNITS; i++) {
+        const unsigned char* row = row_of(r0 + i * (MP_WARPS * 32 / (MP_BK / 8)));
+        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
+#pragma unroll
+        for (int j = 0; j < 4; j++) packed[i][j] = (u32)f32_to_bf16(f[2 * j]) | ((u32)f32_to_bf16(f[2 * j + 1]) << 16);
+    }
+#pragma unroll
+    for (int i = 0; i < MP_UNITS; i++) {
+        const int r = r0 + i * (MP_WARPS * 32 / (MP_BK / 8));
+        *(uint4*)(ws + r * MP_STRIDE + 4 * grp) = make_uint4(packed[i][0], packed[i][1], packed[i][2], packed[i][3]);
+    }
 }
 
 // The inputs of the block's entries, k0 … k0 + MP_BK - 1 of each (BF16 rows of `cols`: row
@@ -115,14 +128,20 @@ __device__ __forceinline__ void mp_stage_weights(const unsigned char* row, int k
 template <typename SrcRow>
 __device__ __forceinline__ void mp_stage_inputs(const u16* src, int cols, int k0, const u32* entries, u32* xs,
                                                 SrcRow src_row) {
-    for (int u = threadIdx.x; u < MP_BM * (MP_BK / 8); u += blockDim.x) {
-        const int r = u / (MP_BK / 8), part = u % (MP_BK / 8);
+    constexpr int units = MP_BM * (MP_BK / 8) / (MP_WARPS * 32);
+    const int part = threadIdx.x % (MP_BK / 8), r0 = threadIdx.x / (MP_BK / 8);
+    const int col = k0 + 8 * part;
+    uint4 v[units];
+#pragma unroll
+    for (int i = 0; i < units; i++) {
+        const int r = r0 + i * (MP_WARPS * 32 / (MP_BK / 8));
         const u32 entry = entries[r];
-        const int col = k0 + 8 * part;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (entry != MP_EMPTY && col < cols) v = *(const uint4*)(src + (u64)src_row(r, entry) * cols + col);
-        *(uint4*)(xs + r * MP_STRIDE + 4 * part) = v;
+        v[i] = make_uint4(0, 0, 0, 0);
+        if (entry != MP_EMPTY && col < cols) v[i] = *(const uint4*)(src + (u64)src_row(r, entry) * cols + col);
     }
+#pragma unroll
+    for (int i = 0; i < units; i++)
+        *(uint4*)(xs + (r0 + i * (MP_WARPS * 32 / (MP_BK / 8))) * MP_STRIDE + 4 * part) = v[i];
 }
 
 // One k-step of a warp's products: its two m16 tiles (shared weight rows m0, m1) against the
@@ -151,7 +170,8 @@ __device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0
     }
 }
 
-// grid (ceil(inter / 128), max_blocks), MP_WARPS warps, MP_SMEM_BYTES of dynamic shared memory.
+// grid (ceil(inter / 128), max_blocks), MP_WARPS warps (exactly: the staging assumes it),
+// MP_SMEM_BYTES of dynamic shared memory.
 // xb [n, hidden] BF16 (x rounded); act [max_blocks · MP_BM, inter] BF16, rows by sorted position.
 // table [experts, stride] u64: gate_up pointer, down pointer, …, gate_up multiplier at 4.
 template <int FMT>
@@ -181,12 +201,11 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
     for (int k0 = 0; k0 < hidden; k0 += MP_BK) {
         __syncthreads();  // the entries are in; the previous step's products are done
         // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows.
-        for (int u = threadIdx.x; u < MP_ROWS * (MP_BK / 8); u += blockDim.x) {
-            const int r = u / (MP_BK / 8), grp = u % (MP_BK / 8);
+        mp_stage_weights<FMT>(k0, hidden, ws, [&](int r) -> const unsigned char* {
             const int c = c0 + (r % (MP_ROWS / 2)), up = r / (MP_ROWS / 2);
             const u64 wr = interleaved ? 2 * (u64)c + up : (u64)up * inter + c;
-            mp_stage_weights<FMT>(c < inter ? w + wr * row_bytes : nullptr, k0, hidden, grp, ws + r * MP_STRIDE);
-        }
+            return c < inter ? w + wr * row_bytes : nullptr;
+        });
         mp_stage_inputs(xb, hidden, k0, entries, xs, [k](int, u32 entry) { return entry / (u32)k; });
         __syncthreads();
         mp_mma_step(ws, xs, 16 * warp, MP_ROWS / 2 + 16 * warp, acc);
@@ -232,11 +251,9 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
     const int warp = threadIdx.x >> 5;
     for (int k0 = 0; k0 < inter; k0 += MP_BK) {
         __syncthreads();
-        for (int u = threadIdx.x; u < MP_ROWS * (MP_BK / 8); u += blockDim.x) {
-            const int r = u / (MP_BK / 8), grp = u % (MP_BK / 8);
-            const int o = o0 + r;
-            mp_stage_weights<FMT>(o < hidden ? w + (u64)o * row_bytes : nullptr, k0, inter, grp, ws + r * MP_STRIDE);
-        }
+        mp_stage_weights<FMT>(k0, inter, ws, [&](int r) -> const unsigned char* {
+            return o0 + r < hidden ? w + (u64)(o0 + r) * row_bytes : nullptr;
+        });
         // The block's act rows are its own positions (padding rows, never written, are not read).
         mp_stage_inputs(act + pos0 * inter, inter, k0, entries, xs, [](int r, u32) { return (u32)r; });
         __syncthreads();
@@ -255,7 +272,8 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
             }
 }
 
-extern "C" __global__ void __launch_bounds__(MP_WARPS * 32)
+// Two CTAs an SM (at most 128 registers a thread): one stages while the other multiplies.
+extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)
     moe_prefill_gate_up(const u64* table, int stride, const u32* block_expert, const u32* sorted, int k,
                         const u16* xb, u16* act, int fmt, int hidden, int inter, u64 row_bytes,
                         int interleaved) { KERNEL_START();
@@ -265,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(MP_WARPS * 32)
 #undef MP_GU
 }
 
-extern "C" __global__ void __launch_bounds__(MP_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)
     moe_prefill_down(const u64* table, int stride, const u32* block_expert, const u32* sorted, const u16* act,
                      float* ys, int fmt, int hidden, int inter, u64 row_bytes) { KERNEL_START();
 #define MP_D(F) moe_prefill_down_impl<F>(table, stride, block_expert, sorted, act, ys, hidden, inter, row_bytes)
