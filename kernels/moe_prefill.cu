@@ -170,6 +170,39 @@ __device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0
     }
 }
 
+// The CTA's block of sorted entries (blockIdx.y) into shared memory; its expert, or MP_EMPTY
+// for a block past the routing's last (the CTA then returns).
+__device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u32* sorted, u32* entries) {
+    const u32 e = block_expert[blockIdx.y];
+    if (e != MP_EMPTY)
+        for (int r = threadIdx.x; r < MP_BM; r += blockDim.x) entries[r] = sorted[(u64)blockIdx.y * MP_BM + r];
+    return e;
+}
+
+// The CTA's products over `cols` columns, a k-step at a time: its MP_ROWS weight rows (`row_of`)
+// decoded into shared memory beside its entries' inputs (`src_row` of src), then each warp's two
+// m16 tiles (shared rows m0, m1) against the block's entries, into acc.
+template <int FMT, typename RowOf, typename SrcRow>
+__device__ __forceinline__ void mp_tile_products(int cols, RowOf row_of, const u16* src, SrcRow src_row, int m0,
+                                                 int m1, u32* smem, float (*acc)[8][4]) {
+    u32* ws = smem;
+    u32* xs = ws + MP_ROWS * MP_STRIDE;
+    const u32* entries = xs + MP_BM * MP_STRIDE;
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
+    for (int k0 = 0; k0 < cols; k0 += MP_BK) {
+        __syncthreads();  // the entries are in; the previous step's products are done
+        mp_stage_weights<FMT>(k0, cols, ws, row_of);
+        mp_stage_inputs(src, cols, k0, entries, xs, src_row);
+        __syncthreads();
+        mp_mma_step(ws, xs, m0, m1, acc);
+    }
+}
+
 // grid (ceil(inter / 128), max_blocks), MP_WARPS warps (exactly: the staging assumes it),
 // MP_SMEM_BYTES of dynamic shared memory.
 // xb [n, hidden] BF16 (x rounded); act [max_blocks · MP_BM, inter] BF16, rows by sorted position.
@@ -179,37 +212,23 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
                                                          const u32* sorted, int k, const u16* xb, u16* act,
                                                          int hidden, int inter, u64 row_bytes, int interleaved) {
     extern __shared__ u32 mp_smem[];
-    u32* ws = mp_smem;
-    u32* xs = ws + MP_ROWS * MP_STRIDE;
-    u32* entries = xs + MP_BM * MP_STRIDE;
-    const u32 e = block_expert[blockIdx.y];
+    u32* entries = mp_smem + (MP_ROWS + MP_BM) * MP_STRIDE;
+    const u32 e = mp_block_entries(block_expert, sorted, entries);
     if (e == MP_EMPTY) return;
     const u64* ex = table + (u64)e * stride;
     const unsigned char* w = (const unsigned char*)ex[0];
     const float mult = __uint_as_float((u32)ex[4]);
-    const int c0 = blockIdx.x * (MP_ROWS / 2);
-    const u64 pos0 = (u64)blockIdx.y * MP_BM;
-    for (int r = threadIdx.x; r < MP_BM; r += blockDim.x) entries[r] = sorted[pos0 + r];
+    const int c0 = blockIdx.x * (MP_ROWS / 2), warp = threadIdx.x >> 5;
     float acc[2][8][4];
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
-    const int warp = threadIdx.x >> 5;
-    for (int k0 = 0; k0 < hidden; k0 += MP_BK) {
-        __syncthreads();  // the entries are in; the previous step's products are done
-        // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows.
-        mp_stage_weights<FMT>(k0, hidden, ws, [&](int r) -> const unsigned char* {
-            const int c = c0 + (r % (MP_ROWS / 2)), up = r / (MP_ROWS / 2);
-            const u64 wr = interleaved ? 2 * (u64)c + up : (u64)up * inter + c;
-            return c < inter ? w + wr * row_bytes : nullptr;
-        });
-        mp_stage_inputs(xb, hidden, k0, entries, xs, [k](int, u32 entry) { return entry / (u32)k; });
-        __syncthreads();
-        mp_mma_step(ws, xs, 16 * warp, MP_ROWS / 2 + 16 * warp, acc);
-    }
+    // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows.
+    const auto row_of = [&](int r) -> const unsigned char* {
+        const int c = c0 + (r % (MP_ROWS / 2)), up = r / (MP_ROWS / 2);
+        const u64 wr = interleaved ? 2 * (u64)c + up : (u64)up * inter + c;
+        return c < inter ? w + wr * row_bytes : nullptr;
+    };
+    mp_tile_products<FMT>(hidden, row_of, xb, [k](int, u32 entry) { return entry / (u32)k; }, 16 * warp,
+                          MP_ROWS / 2 + 16 * warp, mp_smem, acc);
+    const u64 pos0 = (u64)blockIdx.y * MP_BM;
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
@@ -230,35 +249,20 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
                                                       const u32* sorted, const u16* act, float* ys, int hidden,
                                                       int inter, u64 row_bytes) {
     extern __shared__ u32 mp_smem[];
-    u32* ws = mp_smem;
-    u32* xs = ws + MP_ROWS * MP_STRIDE;
-    u32* entries = xs + MP_BM * MP_STRIDE;
-    const u32 e = block_expert[blockIdx.y];
+    u32* entries = mp_smem + (MP_ROWS + MP_BM) * MP_STRIDE;
+    const u32 e = mp_block_entries(block_expert, sorted, entries);
     if (e == MP_EMPTY) return;
     const u64* ex = table + (u64)e * stride;
     const unsigned char* w = (const unsigned char*)ex[1];
     const float mult = __uint_as_float((u32)ex[5]);
-    const int o0 = blockIdx.x * MP_ROWS;
-    const u64 pos0 = (u64)blockIdx.y * MP_BM;
-    for (int r = threadIdx.x; r < MP_BM; r += blockDim.x) entries[r] = sorted[pos0 + r];
+    const int o0 = blockIdx.x * MP_ROWS, warp = threadIdx.x >> 5;
     float acc[2][8][4];
-#pragma unroll
-    for (int m = 0; m < 2; m++)
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
-    const int warp = threadIdx.x >> 5;
-    for (int k0 = 0; k0 < inter; k0 += MP_BK) {
-        __syncthreads();
-        mp_stage_weights<FMT>(k0, inter, ws, [&](int r) -> const unsigned char* {
-            return o0 + r < hidden ? w + (u64)(o0 + r) * row_bytes : nullptr;
-        });
-        // The block's act rows are its own positions (padding rows, never written, are not read).
-        mp_stage_inputs(act + pos0 * inter, inter, k0, entries, xs, [](int r, u32) { return (u32)r; });
-        __syncthreads();
-        mp_mma_step(ws, xs, 32 * warp, 32 * warp + 16, acc);
-    }
+    const auto row_of = [&](int r) -> const unsigned char* {
+        return o0 + r < hidden ? w + (u64)(o0 + r) * row_bytes : nullptr;
+    };
+    // The block's act rows are its own positions (padding rows, never written, are not read).
+    mp_tile_products<FMT>(inter, row_of, act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; },
+                          32 * warp, 32 * warp + 16, mp_smem, acc);
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int m = 0; m < 2; m++)

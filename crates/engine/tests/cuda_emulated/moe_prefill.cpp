@@ -15,29 +15,12 @@
 //        max_blocks gate_up_blocks down_blocks smem
 #include "emu.hpp"
 #include "kernels.inc"
+#include "random_blocks.hpp"
 
 #include <random>
 #include <string>
 
 static float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-// Random blocks of `block_bytes` with sane scales at their start (as moe_decode_q8.cpp).
-static std::unique_ptr<unsigned char[]> random_blocks(std::mt19937_64& rng, size_t bytes, int block_bytes,
-                                                      bool nvfp4) {
-    std::unique_ptr<unsigned char[]> m(new unsigned char[bytes]);
-    for (size_t i = 0; i < bytes; i++) m[i] = (unsigned char)rng();
-    for (size_t b = 0; b < bytes / block_bytes; b++) {
-        unsigned char* blk = m.get() + (size_t)block_bytes * b;
-        if (nvfp4) {
-            for (int k = 0; k < 4; k++) blk[k] = (unsigned char)(((4 + rng() % 6) << 3) | (rng() % 8));
-        } else {
-            const unsigned exp = 7 + rng() % 3, man = rng() % 1024;
-            const unsigned short d = (unsigned short)(((rng() & 1) << 15) | (exp << 10) | man);
-            std::memcpy(blk, &d, 2);
-        }
-    }
-    return m;
-}
 
 // Row `row` of a matrix of `cols` columns, decoded and rounded to BF16 as the kernels stage it.
 static std::vector<double> decoded_row(int fmt, const unsigned char* m, u64 row_bytes, int row, int cols) {
