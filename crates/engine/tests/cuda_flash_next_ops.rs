@@ -657,8 +657,8 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
 /// by expert into blocks, tensor-core gate/up and down on the quantized weights in place), at
 /// Flash-Next's shape with experts of several blocks: against the CPU's exact sums and the
 /// host-grouped fast path (both round weights and x to BF16, so the check is relative to the
-/// output's size), with and without the gated shared expert. The exact path and a backend with
-/// the device routing switched off decline several rows.
+/// output's size), with and without the gated shared expert. The exact path, a backend with
+/// the device routing switched off, and a few rows (experts of a handful of entries) decline.
 #[test]
 fn quantized_prefill_experts_routed_on_the_device_stay_near_exact() {
     use capy_engine::backend::cpu::experts::RowFormat;
@@ -715,6 +715,16 @@ fn quantized_prefill_experts_routed_on_the_device_stay_near_exact() {
             &want_shared.data,
             (1e-2, 0.1),
             &format!("{what}, with the shared expert"),
+        );
+        // A few rows (5 × 4 entries over 24 experts) keep the host path's grouped matvecs.
+        let (few_x, few_logits) = (
+            fast.from_host(5, hidden, &x[..5 * hidden]),
+            fast.from_host(5, count + 1, &logits[..5 * (count + 1)]),
+        );
+        assert!(
+            fast.moe_routed_on_device(&few_x, &few_logits, k, true, &eg, None)
+                .is_none(),
+            "a few prefill rows are grouped on the host"
         );
         let (_, ee) = quant_experts_pair(&exact, formats, count, hidden, inter, 900);
         assert!(

@@ -979,8 +979,9 @@ impl CudaBackend {
     /// Prefill rows' routed experts with the routing kept on the device (kernels/
     /// moe_prefill.cu): route, sort the picks by expert into blocks, gate/up and down on
     /// tensor cores reading the quantized weights in place, combine. The fast path's, for
-    /// experts of one quantized format per projection, unless `CAPY_MOE_PREFILL_DEVICE=0`;
-    /// `None` otherwise (the host groups the routing and runs `moe_grouped_gemm`).
+    /// experts of one quantized format per projection with on average at least
+    /// `MOE_MATVEC_MAX_ROWS` entries each, unless `CAPY_MOE_PREFILL_DEVICE=0`; `None`
+    /// otherwise (the host groups the routing: grouped matvecs, `moe_grouped_gemm`).
     fn moe_prefill_on_device(
         &self,
         x: &CudaTensor,
@@ -993,8 +994,13 @@ impl CudaBackend {
         let (n, hidden, inter, e_count) = (x.rows, x.cols, kinds.inter, experts.len());
         let (gq, dq) = kinds.quant?;
         let plan = moe_prefill_plan(n, top_k, e_count, hidden, inter);
+        // A few rows (a short turn, several sequences' decode rows) leave most experts with a
+        // handful of entries: the host path's grouped matvecs read those experts once, where a
+        // block here would decode all of an expert's weights into tiles mostly of padding.
+        let few_rows = n * top_k < MOE_MATVEC_MAX_ROWS * e_count;
         if self.inner.exact
             || !self.inner.moe_prefill_device
+            || few_rows
             || !(1..=MP_MAX_K.min(e_count)).contains(&top_k)
             || plan.max_blocks > u16::MAX as usize
         {
