@@ -94,32 +94,28 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
 // block's entries [MP_BM].
 #define MP_SMEM_BYTES ((MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4)
 
-// Weight groups of 8 a thread decodes a k-step (the CTA has MP_WARPS · 32 threads).
-#define MP_UNITS (MP_ROWS * (MP_BK / 8) / (MP_WARPS * 32))
-
-// The k-step at k0 of the tile's MP_ROWS weight rows (`row_of(r)`: row r's bytes, null past
-// the matrix) decoded into shared memory as BF16; columns at or past `cols` are zeros. Each
-// thread decodes its MP_UNITS groups into registers first and stores them after: the groups'
-// global loads are independent, so all are in flight at once (storing each group before
-// decoding the next would wait out a memory latency per group).
-template <int FMT, typename RowOf>
-__device__ __forceinline__ void mp_stage_weights(int k0, int cols, u32* ws, RowOf row_of) {
-    const int grp = threadIdx.x % (MP_BK / 8), r0 = threadIdx.x / (MP_BK / 8);
-    const int col = k0 + 8 * grp;
-    u32 packed[MP_UNITS][4];
+// The k-step at k0 of the CTA's weight row that this thread stages (`row`: its bytes, null
+// past the matrix), decoded into its shared row as BF16; columns at or past `cols` are zeros.
+// One row a thread (MP_ROWS == the CTA's threads): the row's pointer is the only address the
+// staging keeps across k-steps, and a block's scales are read once for its groups. Spreading a
+// row's groups over 8 threads instead made the compiler keep 8 row pointers live beside the
+// 64 accumulators, and the kernels spilled at their 128-register bound. The groups are decoded
+// into registers before any is stored, so their global loads are all in flight at once.
+template <int FMT>
+__device__ __forceinline__ void mp_stage_weights(int k0, int cols, u32* ws, const unsigned char* row) {
+    u32* dst = ws + threadIdx.x * MP_STRIDE;
+    u32 packed[MP_BK / 8][4];
 #pragma unroll
-    for (int i = 0; i < MP_UNITS; i++) {
-        const unsigned char* row = row_of(r0 + i * (MP_WARPS * 32 / (MP_BK / 8)));
+    for (int g = 0; g < MP_BK / 8; g++) {
+        const int col = k0 + 8 * g;
         float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
 #pragma unroll
-        for (int j = 0; j < 4; j++) packed[i][j] = (u32)f32_to_bf16(f[2 * j]) | ((u32)f32_to_bf16(f[2 * j + 1]) << 16);
+        for (int j = 0; j < 4; j++) packed[g][j] = (u32)f32_to_bf16(f[2 * j]) | ((u32)f32_to_bf16(f[2 * j + 1]) << 16);
     }
 #pragma unroll
-    for (int i = 0; i < MP_UNITS; i++) {
-        const int r = r0 + i * (MP_WARPS * 32 / (MP_BK / 8));
-        *(uint4*)(ws + r * MP_STRIDE + 4 * grp) = make_uint4(packed[i][0], packed[i][1], packed[i][2], packed[i][3]);
-    }
+    for (int g = 0; g < MP_BK / 8; g++)
+        *(uint4*)(dst + 4 * g) = make_uint4(packed[g][0], packed[g][1], packed[g][2], packed[g][3]);
 }
 
 // The inputs of the block's entries, k0 … k0 + MP_BK - 1 of each (BF16 rows of `cols`: row
@@ -179,11 +175,11 @@ __device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u
     return e;
 }
 
-// The CTA's products over `cols` columns, a k-step at a time: its MP_ROWS weight rows (`row_of`)
-// decoded into shared memory beside its entries' inputs (`src_row` of src), then each warp's two
+// The CTA's products over `cols` columns, a k-step at a time: its MP_ROWS weight rows (this
+// thread's is `row`) decoded into shared memory beside its entries' inputs (`src_row` of src), then each warp's two
 // m16 tiles (shared rows m0, m1) against the block's entries, into acc.
-template <int FMT, typename RowOf, typename SrcRow>
-__device__ __forceinline__ void mp_tile_products(int cols, RowOf row_of, const u16* src, SrcRow src_row, int m0,
+template <int FMT, typename SrcRow>
+__device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* row, const u16* src, SrcRow src_row, int m0,
                                                  int m1, u32* smem, float (*acc)[8][4]) {
     u32* ws = smem;
     u32* xs = ws + MP_ROWS * MP_STRIDE;
@@ -196,7 +192,7 @@ __device__ __forceinline__ void mp_tile_products(int cols, RowOf row_of, const u
             for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
     for (int k0 = 0; k0 < cols; k0 += MP_BK) {
         __syncthreads();  // the entries are in; the previous step's products are done
-        mp_stage_weights<FMT>(k0, cols, ws, row_of);
+        mp_stage_weights<FMT>(k0, cols, ws, row);
         mp_stage_inputs(src, cols, k0, entries, xs, src_row);
         __syncthreads();
         mp_mma_step(ws, xs, m0, m1, acc);
@@ -220,14 +216,13 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
     const float mult = __uint_as_float((u32)ex[4]);
     const int c0 = blockIdx.x * (MP_ROWS / 2), warp = threadIdx.x >> 5;
     float acc[2][8][4];
-    // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows.
-    const auto row_of = [&](int r) -> const unsigned char* {
-        const int c = c0 + (r % (MP_ROWS / 2)), up = r / (MP_ROWS / 2);
-        const u64 wr = interleaved ? 2 * (u64)c + up : (u64)up * inter + c;
-        return c < inter ? w + wr * row_bytes : nullptr;
-    };
-    mp_tile_products<FMT>(hidden, row_of, xb, [k](int, u32 entry) { return entry / (u32)k; }, 16 * warp,
-                          MP_ROWS / 2 + 16 * warp, mp_smem, acc);
+    // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows. This
+    // thread stages row threadIdx.x.
+    const int staged = c0 + (threadIdx.x % (MP_ROWS / 2)), up = threadIdx.x / (MP_ROWS / 2);
+    const u64 wr = interleaved ? 2 * (u64)staged + up : (u64)up * inter + staged;
+    mp_tile_products<FMT>(hidden, staged < inter ? w + wr * row_bytes : nullptr, xb,
+                          [k](int, u32 entry) { return entry / (u32)k; }, 16 * warp, MP_ROWS / 2 + 16 * warp, mp_smem,
+                          acc);
     const u64 pos0 = (u64)blockIdx.y * MP_BM;
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -257,12 +252,11 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
     const float mult = __uint_as_float((u32)ex[5]);
     const int o0 = blockIdx.x * MP_ROWS, warp = threadIdx.x >> 5;
     float acc[2][8][4];
-    const auto row_of = [&](int r) -> const unsigned char* {
-        return o0 + r < hidden ? w + (u64)(o0 + r) * row_bytes : nullptr;
-    };
     // The block's act rows are its own positions (padding rows, never written, are not read).
-    mp_tile_products<FMT>(inter, row_of, act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; },
-                          32 * warp, 32 * warp + 16, mp_smem, acc);
+    const int staged = o0 + threadIdx.x;
+    mp_tile_products<FMT>(inter, staged < hidden ? w + (u64)staged * row_bytes : nullptr,
+                          act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; }, 32 * warp,
+                          32 * warp + 16, mp_smem, acc);
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int m = 0; m < 2; m++)

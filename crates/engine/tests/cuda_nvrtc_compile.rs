@@ -96,3 +96,47 @@ fn unsupported_architecture_is_refused_with_the_supported_list() {
         "unhelpful error: {err}"
     );
 }
+
+/// ptxas's register and local-memory report for every entry point of the quantized-expert
+/// module on sm_90 and sm_120. The tensor-core prefill kernels are built to fit their launch
+/// bound (two CTAs an SM, 128 registers) without spilling: a spill there put 76M local-memory
+/// requests into one gate/up launch on the H100 (bench/results/ncu-detail-moe-prefill-*).
+#[test]
+fn tensor_core_prefill_kernels_fit_their_registers_without_spilling() {
+    let Some(lib) = find_nvrtc() else {
+        println!("skipping: no libnvrtc found (see every_kernel_compiles_for_sm_90_and_sm_120)");
+        return;
+    };
+    std::env::set_var("CAPY_NVRTC_LIB", &lib);
+    let sources = kernels::sources();
+    let quant = sources
+        .iter()
+        .find(|s| s.functions.iter().any(|f| f == "moe_prefill_gate_up"))
+        .expect("the module holding moe_prefill_gate_up");
+    for arch in [90, 120] {
+        let (_, log) = kernels::compile_cubin_with_log(quant, arch, &["--ptxas-options=-v"])
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let report = kernels::parse_ptxas_resources(&log);
+        for f in &quant.functions {
+            let r = report
+                .iter()
+                .find(|r| &r.function == f)
+                .unwrap_or_else(|| panic!("ptxas reported nothing for {f} on sm_{arch}:\n{log}"));
+            println!(
+                "sm_{arch} {f}: {} registers, {} B stack, {} B spill stores, {} B spill loads",
+                r.registers, r.stack_bytes, r.spill_store_bytes, r.spill_load_bytes
+            );
+            assert!(r.registers > 0, "no register count for {f} in:\n{log}");
+            if f.starts_with("moe_prefill_") && f != "moe_prefill_align" {
+                assert!(
+                    r.registers <= 128 && r.spill_store_bytes == 0 && r.spill_load_bytes == 0,
+                    "{f} on sm_{arch}: expected ≤ 128 registers and no spills, found {} registers, \
+                     {} B spill stores, {} B spill loads; shrink what the staging keeps live",
+                    r.registers,
+                    r.spill_store_bytes,
+                    r.spill_load_bytes
+                );
+            }
+        }
+    }
+}

@@ -298,6 +298,16 @@ pub fn supported_archs() -> Result<Vec<i32>> {
 
 /// Compiles one kernel file for `sm_{arch}` and returns the CUBIN.
 pub fn compile_cubin(src: &KernelSource, arch: i32) -> Result<Vec<u8>> {
+    compile_cubin_with_log(src, arch, &[]).map(|(cubin, _)| cubin)
+}
+
+/// Compiles one kernel file for `sm_{arch}` with `extra` NVRTC options (e.g.
+/// `--ptxas-options=-v`) and returns the CUBIN and NVRTC's log.
+pub fn compile_cubin_with_log(
+    src: &KernelSource,
+    arch: i32,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     let (major, minor) = nvrtc_version()?;
     let archs = supported_archs()?;
     if !archs.contains(&arch) {
@@ -307,19 +317,20 @@ pub fn compile_cubin(src: &KernelSource, arch: i32) -> Result<Vec<u8>> {
     let name = CString::new(format!("{}.cu", src.name)).expect("kernel file names have no NUL");
     let prog = nvrtc::create_program(&code, Some(&name))
         .map_err(|e| anyhow::anyhow!("nvrtcCreateProgram({}): {e:?}", src.name))?;
-    let options = [
+    let mut options = vec![
         format!("--gpu-architecture=sm_{arch}"),
         "--std=c++17".to_string(),
     ];
+    options.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` is a live program; it is destroyed below on every path.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
     let result = (|| {
+        // SAFETY: the log is read from the same live program.
+        let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
+        let log = unsafe { CStr::from_ptr(log.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
         if let Err(e) = compiled {
-            // SAFETY: the log is read from the same live program.
-            let log = unsafe { nvrtc::get_program_log(prog) }.unwrap_or_default();
-            let log = unsafe { CStr::from_ptr(log.as_ptr()) }
-                .to_string_lossy()
-                .into_owned();
             bail!("NVRTC {major}.{minor} failed to compile kernels/{}.cu for sm_{arch} ({e:?}):\n{log}", src.name);
         }
         let mut size = 0usize;
@@ -332,12 +343,58 @@ pub fn compile_cubin(src: &KernelSource, arch: i32) -> Result<Vec<u8>> {
             nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
                 .result()
                 .map_err(|e| anyhow::anyhow!("nvrtcGetCUBIN: {e:?}"))?;
-            Ok(cubin)
+            Ok((cubin, log))
         }
     })();
     // SAFETY: destroyed exactly once.
     let _ = unsafe { nvrtc::destroy_program(prog) };
     result
+}
+
+/// One entry point's resources as ptxas reports them (`--ptxas-options=-v`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelResources {
+    pub function: String,
+    pub registers: u32,
+    /// Per-thread stack frame (local memory), bytes.
+    pub stack_bytes: u32,
+    pub spill_store_bytes: u32,
+    pub spill_load_bytes: u32,
+}
+
+/// The per-function resources in a ptxas `-v` log: each "Compiling entry function 'F'" is
+/// followed by "N bytes stack frame, S bytes spill stores, L bytes spill loads" and
+/// "Used R registers".
+pub fn parse_ptxas_resources(log: &str) -> Vec<KernelResources> {
+    fn number_before(line: &str, unit: &str) -> Option<u32> {
+        let at = line.find(unit)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    }
+    let mut out: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let function = rest.split('\'').next().unwrap_or_default().to_string();
+            out.push(KernelResources {
+                function,
+                registers: 0,
+                stack_bytes: 0,
+                spill_store_bytes: 0,
+                spill_load_bytes: 0,
+            });
+            continue;
+        }
+        let Some(last) = out.last_mut() else { continue };
+        if line.contains("bytes stack frame") {
+            last.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+            last.spill_store_bytes = number_before(line, "bytes spill stores").unwrap_or(0);
+            last.spill_load_bytes = number_before(line, "bytes spill loads").unwrap_or(0);
+        } else if let Some(r) = number_before(line, "registers") {
+            if line.contains("Used") {
+                last.registers = r;
+            }
+        }
+    }
+    out
 }
 
 /// Where compiled kernels are cached: `$XDG_CACHE_HOME/capy-flash/kernels` (or `CAPY_KERNEL_CACHE`).
