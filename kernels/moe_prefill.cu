@@ -145,6 +145,9 @@ __device__ __forceinline__ void mp_stage_inputs(const u16* src, int cols, int k0
 __device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0, int m1, float (*acc)[8][4]) {
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
+    // One k16 step's fragments at a time: unrolled, the compiler loads all four steps' ahead
+    // and NVRTC 13.0 then spills at the 128-register bound (2.7 KB a thread).
+#pragma unroll 1
     for (int kk = 0; kk < MP_BK / 16; kk++) {
         const int c = kk * 8 + t;
         u32 a[2][4];

@@ -8,7 +8,7 @@
 use anyhow::{bail, Context, Result};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::ffi::{CStr, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The oldest NVRTC that compiles for the architectures the product targets (sm_120 needs 12.8).
@@ -235,6 +235,21 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 static NVRTC_READY: OnceLock<std::result::Result<(i32, i32), String>> = OnceLock::new();
 
+/// `libnvrtc-builtins.so*` in the folder of `nvrtc` (not the `.alt` ABI variant), if any.
+fn builtins_beside(nvrtc: &Path) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(nvrtc.parent()?)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc-builtins.so"))
+        })
+        .collect();
+    found.sort();
+    found.pop()
+}
+
 /// Makes sure libnvrtc can be used and returns its version.
 ///
 /// `CAPY_NVRTC_LIB` may name the library file (e.g. the one inside the `nvidia-cuda-nvrtc`
@@ -244,6 +259,15 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     NVRTC_READY
         .get_or_init(|| {
             if let Ok(path) = std::env::var("CAPY_NVRTC_LIB") {
+                // libnvrtc opens its builtins library by name at the first compile; a wheel's
+                // copy beside it is found only if it is already resident (13.0's wheel sets no
+                // search path for it).
+                if let Some(builtins) = builtins_beside(Path::new(&path)) {
+                    // SAFETY: as below, vendor initialisers only.
+                    if let Ok(lib) = unsafe { libloading::Library::new(&builtins) } {
+                        std::mem::forget(lib);
+                    }
+                }
                 // SAFETY: loading libnvrtc runs only its (trusted, vendor) initialisers.
                 match unsafe { libloading::Library::new(&path) } {
                     // Kept loaded for the life of the process.
