@@ -9,7 +9,7 @@
 // written and read back. Here, as vLLM's fused MoE does:
 //   moe_prefill_align   sorts the (row, pick) entries by expert into blocks of MP_BM, padded
 //                       (the padding slots hold MP_EMPTY), and writes the combine's tables;
-//   moe_prefill_gate_up one block of MP_BM entries × 128 intermediate columns a CTA: the
+//   moe_prefill_gate_up one block of MP_BM entries × 64 intermediate columns a CTA: the
 //                       expert's gate and up rows decoded into shared memory as BF16 a k-step
 //                       at a time, the entries' x rows (BF16) beside them, tensor-core products
 //                       (mma m16n8k16) and silu(gate)·up written as BF16;
@@ -22,11 +22,15 @@
 // the sums (the host path multiplies each weight before rounding it); the exact path
 // (CAPY_EXACT_MATH=1) keeps the host path's f32 GEMMs.
 
-#define MP_BM 64
+#define MP_BM 128
 #define MP_BK 64
 #define MP_WARPS 8
-// Weight rows a CTA takes: 2 m16 tiles a warp (gate_up: 16 columns' gate and up rows).
-#define MP_ROWS (MP_WARPS * 32)
+// Weight rows a CTA takes. The warps tile the CTA's MP_ROWS × MP_BM products 4 × 2: warp w
+// takes two m16 tiles (32 rows; gate_up: 16 columns' gate and up rows) of quarter w % 4,
+// against the 8 n8 tiles (64 entries) of half w / 4. A 128-entry block decodes each weight
+// once for twice the products of a 64-entry one; the n8 tiles past a block's last entry are
+// skipped, so a partly filled block costs its entries only.
+#define MP_ROWS 128
 // Shared-memory row stride in u32 (MP_BK BF16 = 32 words, + 4 so that the fragment loads of
 // a warp's 8 groups × 4 lanes fall in 32 different banks).
 #define MP_STRIDE 36
@@ -94,27 +98,32 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
 // block's entries [MP_BM].
 #define MP_SMEM_BYTES ((MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4)
 
-// The k-step at k0 of the CTA's weight row that this thread stages (`row`: its bytes, null
-// past the matrix), decoded into its shared row as BF16; columns at or past `cols` are zeros.
-// One row a thread (MP_ROWS == the CTA's threads): the row's pointer is the only address the
-// staging keeps across k-steps, and a block's scales are read once for its groups. Spreading a
-// row's groups over 8 threads instead made the compiler keep 8 row pointers live beside the
-// 64 accumulators, and the kernels spilled at their 128-register bound. The groups are decoded
-// into registers before any is stored, so their global loads are all in flight at once.
+// Weight groups of 8 a thread stages a k-step: a row's MP_BK / 8 groups shared by the
+// threads t, t + MP_ROWS, … (MP_ROWS divides the CTA's threads).
+#define MP_STAGE_GROUPS (MP_ROWS * (MP_BK / 8) / (MP_WARPS * 32))
+
+// The k-step at k0 of this thread's staging row (`row`: its bytes, null past the matrix; the
+// CTA's row threadIdx.x % MP_ROWS), its MP_STAGE_GROUPS groups decoded into the shared row as
+// BF16; columns at or past `cols` are zeros. A row a thread (not a row's groups spread over
+// a warp): the row's pointer is the only address the staging keeps across k-steps, and a
+// block's scales are read once for its groups. Spread, the compiler kept 8 row pointers live
+// beside the 64 accumulators and the kernels spilled at their 128-register bound. The groups
+// are decoded into registers before any is stored, so their global loads are all in flight.
 template <int FMT>
 __device__ __forceinline__ void mp_stage_weights(int k0, int cols, u32* ws, const unsigned char* row) {
-    u32* dst = ws + threadIdx.x * MP_STRIDE;
-    u32 packed[MP_BK / 8][4];
+    const int g0 = (threadIdx.x / MP_ROWS) * MP_STAGE_GROUPS;
+    u32* dst = ws + (threadIdx.x % MP_ROWS) * MP_STRIDE + 4 * g0;
+    u32 packed[MP_STAGE_GROUPS][4];
 #pragma unroll
-    for (int g = 0; g < MP_BK / 8; g++) {
-        const int col = k0 + 8 * g;
+    for (int g = 0; g < MP_STAGE_GROUPS; g++) {
+        const int col = k0 + 8 * (g0 + g);
         float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
 #pragma unroll
         for (int j = 0; j < 4; j++) packed[g][j] = (u32)f32_to_bf16(f[2 * j]) | ((u32)f32_to_bf16(f[2 * j + 1]) << 16);
     }
 #pragma unroll
-    for (int g = 0; g < MP_BK / 8; g++)
+    for (int g = 0; g < MP_STAGE_GROUPS; g++)
         *(uint4*)(dst + 4 * g) = make_uint4(packed[g][0], packed[g][1], packed[g][2], packed[g][3]);
 }
 
@@ -131,8 +140,8 @@ __device__ __forceinline__ void mp_stage_inputs(const u16* src, int cols, int k0
 #pragma unroll
     for (int i = 0; i < units; i++) {
         const int r = r0 + i * (MP_WARPS * 32 / (MP_BK / 8));
-        const u32 entry = entries[r];
         v[i] = make_uint4(0, 0, 0, 0);
+        const u32 entry = entries[r];
         if (entry != MP_EMPTY && col < cols) v[i] = *(const uint4*)(src + (u64)src_row(r, entry) * cols + col);
     }
 #pragma unroll
@@ -140,11 +149,11 @@ __device__ __forceinline__ void mp_stage_inputs(const u16* src, int cols, int k0
         *(uint4*)(xs + (r0 + i * (MP_WARPS * 32 / (MP_BK / 8))) * MP_STRIDE + 4 * part) = v[i];
 }
 
-// One k-step of a warp's products: its two m16 tiles (shared weight rows m0, m1) against the
-// block's 8 n8 tiles of entries.
-__device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0, int m1, float (*acc)[8][4]) {
+// One k-step of a warp's products: its two m16 tiles (shared weight rows m0, m1) against its
+// 8 n8 tiles of entries (shared input rows from xs), those past its first `entries` skipped.
+__device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0, int m1, int entries,
+                                            float (*acc)[8][4]) {
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
-#pragma unroll
     // One k16 step's fragments at a time: unrolled, the compiler loads all four steps' ahead
     // and NVRTC 13.0 then spills at the 128-register bound (2.7 KB a thread).
 #pragma unroll 1
@@ -160,7 +169,8 @@ __device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0
             a[m][3] = w[(group + 8) * MP_STRIDE + c + 4];
         }
 #pragma unroll
-        for (int nt = 0; nt < MP_BM / 8; nt++) {
+        for (int nt = 0; nt < 8; nt++) {
+            if (nt * 8 >= entries) break;  // the same for the whole warp
             const u32* x = xs + (nt * 8 + group) * MP_STRIDE;
             const u32 b[2] = {x[c], x[c + 4]};
             mma_bf16_16x8x16(acc[0][nt], a[0], b);
@@ -169,21 +179,26 @@ __device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0
     }
 }
 
-// The CTA's block of sorted entries (blockIdx.y) into shared memory; its expert, or MP_EMPTY
-// for a block past the routing's last (the CTA then returns).
-__device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u32* sorted, u32* entries) {
+// The CTA's block of sorted entries (blockIdx.y) into shared memory, and how many it holds
+// (`valid`: the align kernel fills a block from its start, so they are entries 0 … valid - 1).
+// Returns the block's expert, or MP_EMPTY for a block past the routing's last (the CTA then
+// returns; every thread sees the same).
+__device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u32* sorted, u32* entries, int* valid) {
     const u32 e = block_expert[blockIdx.y];
-    if (e != MP_EMPTY)
-        for (int r = threadIdx.x; r < MP_BM; r += blockDim.x) entries[r] = sorted[(u64)blockIdx.y * MP_BM + r];
+    if (e == MP_EMPTY) return e;
+    u32 entry = MP_EMPTY;
+    if (threadIdx.x < MP_BM) entries[threadIdx.x] = entry = sorted[(u64)blockIdx.y * MP_BM + threadIdx.x];
+    *valid = __syncthreads_count(entry != MP_EMPTY);  // also the barrier before entries is read
     return e;
 }
 
 // The CTA's products over `cols` columns, a k-step at a time: its MP_ROWS weight rows (this
-// thread's is `row`) decoded into shared memory beside its entries' inputs (`src_row` of src), then each warp's two
-// m16 tiles (shared rows m0, m1) against the block's entries, into acc.
+// thread's staging row is `row`) decoded into shared memory beside its entries' inputs
+// (`src_row` of src), then each warp's two m16 tiles (shared rows m0, m1) against its 8 n8
+// tiles of entries (shared input rows n0 …), into acc.
 template <int FMT, typename SrcRow>
-__device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* row, const u16* src, SrcRow src_row, int m0,
-                                                 int m1, u32* smem, float (*acc)[8][4]) {
+__device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* row, const u16* src, SrcRow src_row,
+                                                 int m0, int m1, int n0, int valid, u32* smem, float (*acc)[8][4]) {
     u32* ws = smem;
     u32* xs = ws + MP_ROWS * MP_STRIDE;
     const u32* entries = xs + MP_BM * MP_STRIDE;
@@ -194,16 +209,16 @@ __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* 
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
     for (int k0 = 0; k0 < cols; k0 += MP_BK) {
-        __syncthreads();  // the entries are in; the previous step's products are done
+        if (k0 > 0) __syncthreads();  // the previous step's products are done
         mp_stage_weights<FMT>(k0, cols, ws, row);
         mp_stage_inputs(src, cols, k0, entries, xs, src_row);
         __syncthreads();
-        mp_mma_step(ws, xs, m0, m1, acc);
+        mp_mma_step(ws, xs + n0 * MP_STRIDE, m0, m1, valid - n0, acc);
     }
 }
 
-// grid (ceil(inter / 128), max_blocks), MP_WARPS warps (exactly: the staging assumes it),
-// MP_SMEM_BYTES of dynamic shared memory.
+// grid (ceil(inter / (MP_ROWS / 2)), max_blocks), MP_WARPS warps (exactly: the staging and
+// the warp tiling assume it), MP_SMEM_BYTES of dynamic shared memory.
 // xb [n, hidden] BF16 (x rounded); act [max_blocks · MP_BM, inter] BF16, rows by sorted position.
 // table [experts, stride] u64: gate_up pointer, down pointer, …, gate_up multiplier at 4.
 template <int FMT>
@@ -212,28 +227,30 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
                                                          int hidden, int inter, u64 row_bytes, int interleaved) {
     extern __shared__ u32 mp_smem[];
     u32* entries = mp_smem + (MP_ROWS + MP_BM) * MP_STRIDE;
-    const u32 e = mp_block_entries(block_expert, sorted, entries);
+    int valid;
+    const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
     const u64* ex = table + (u64)e * stride;
     const unsigned char* w = (const unsigned char*)ex[0];
     const float mult = __uint_as_float((u32)ex[4]);
-    const int c0 = blockIdx.x * (MP_ROWS / 2), warp = threadIdx.x >> 5;
+    const int c0 = blockIdx.x * (MP_ROWS / 2), quarter = (threadIdx.x >> 5) & 3,
+              n0 = (MP_BM / 2) * (threadIdx.x / 128);
     float acc[2][8][4];
-    // Shared rows 0 … 127: the gate rows of columns c0 …; 128 … 255 their up rows. This
-    // thread stages row threadIdx.x.
-    const int staged = c0 + (threadIdx.x % (MP_ROWS / 2)), up = threadIdx.x / (MP_ROWS / 2);
+    // Shared rows 0 … 63: the gate rows of columns c0 …; 64 … 127 their up rows.
+    const int srow = threadIdx.x % MP_ROWS;
+    const int staged = c0 + srow % (MP_ROWS / 2), up = srow / (MP_ROWS / 2);
     const u64 wr = interleaved ? 2 * (u64)staged + up : (u64)up * inter + staged;
     mp_tile_products<FMT>(hidden, staged < inter ? w + wr * row_bytes : nullptr, xb,
-                          [k](int, u32 entry) { return entry / (u32)k; }, 16 * warp, MP_ROWS / 2 + 16 * warp, mp_smem,
-                          acc);
+                          [k](int, u32 entry) { return entry / (u32)k; }, 16 * quarter, MP_ROWS / 2 + 16 * quarter,
+                          n0, valid, mp_smem, acc);
     const u64 pos0 = (u64)blockIdx.y * MP_BM;
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int c = c0 + 16 * warp + group + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
-            if (c < inter && entries[col] != MP_EMPTY) {
+            const int c = c0 + 16 * quarter + group + 8 * (i >> 1), col = n0 + nt * 8 + 2 * t + (i & 1);
+            if (c < inter && col < valid) {
                 const float g = acc[0][nt][i] * mult, u = acc[1][nt][i] * mult;
                 act[(pos0 + col) * inter + c] = f32_to_bf16(silu_f(g) * u);
             }
@@ -248,29 +265,37 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
                                                       int inter, u64 row_bytes) {
     extern __shared__ u32 mp_smem[];
     u32* entries = mp_smem + (MP_ROWS + MP_BM) * MP_STRIDE;
-    const u32 e = mp_block_entries(block_expert, sorted, entries);
+    int valid;
+    const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
     const u64* ex = table + (u64)e * stride;
     const unsigned char* w = (const unsigned char*)ex[1];
     const float mult = __uint_as_float((u32)ex[5]);
-    const int o0 = blockIdx.x * MP_ROWS, warp = threadIdx.x >> 5;
+    const int o0 = blockIdx.x * MP_ROWS, quarter = (threadIdx.x >> 5) & 3,
+              n0 = (MP_BM / 2) * (threadIdx.x / 128);
     float acc[2][8][4];
     // The block's act rows are its own positions (padding rows, never written, are not read).
-    const int staged = o0 + threadIdx.x;
+    const int staged = o0 + threadIdx.x % MP_ROWS;
     mp_tile_products<FMT>(inter, staged < hidden ? w + (u64)staged * row_bytes : nullptr,
-                          act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; }, 32 * warp,
-                          32 * warp + 16, mp_smem, acc);
+                          act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; }, 32 * quarter,
+                          32 * quarter + 16, n0, valid, mp_smem, acc);
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
+    // Entry by entry (one entries[] value live at a time beside the accumulators).
 #pragma unroll
-    for (int m = 0; m < 2; m++)
+    for (int nt = 0; nt < 8; nt++)
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+        for (int j = 0; j < 2; j++) {
+            const int col = n0 + nt * 8 + 2 * t + j;
+            if (col >= valid) continue;
+            float* y = ys + (u64)entries[col] * hidden;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int o = o0 + 32 * warp + 16 * m + group + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
-                const u32 entry = entries[col];
-                if (o < hidden && entry != MP_EMPTY) ys[(u64)entry * hidden + o] = acc[m][nt][i] * mult;
-            }
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int o = o0 + 32 * quarter + 16 * m + group + 8 * h;
+                    if (o < hidden) y[o] = acc[m][nt][2 * h + j] * mult;
+                }
+        }
 }
 
 // Two CTAs an SM (at most 128 registers a thread): one stages while the other multiplies.

@@ -206,7 +206,13 @@ fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
 }
 
 /// [`run_driver`] with a word before the numeric arguments (a format's name).
-fn run_driver_with(exe: &Path, word: Option<&str>, args: &[usize], checks: usize, what: &str) {
+fn run_driver_with(
+    exe: &Path,
+    word: Option<&str>,
+    args: &[usize],
+    checks: usize,
+    what: &str,
+) -> String {
     let out = Command::new(exe)
         .args(word)
         .args(args.iter().map(|a| a.to_string()))
@@ -224,6 +230,7 @@ fn run_driver_with(exe: &Path, word: Option<&str>, args: &[usize], checks: usize
         checks,
         "expected {checks} checks of {what}: {text}"
     );
+    text.into_owned()
 }
 
 /// Runs the chunked kernels over `n` tokens of shape `s` with the backend's launch plan (the
@@ -600,13 +607,16 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
     let Some(exe) = moe_prefill_driver() else {
         return;
     };
+    // Blocks seen over the cases: with several blocks an expert, full, filled past half, and
+    // within half (where the second half's warps skip their products).
+    let mut fills = [0usize; 4];
     for (name, rows, experts, k, hidden, inter, interleaved) in [
-        ("iq3s", 40, 4, 2, 256, 192, 0),
+        ("iq3s", 150, 4, 2, 256, 192, 0),
         ("nvfp4", 70, 6, 3, 128, 192, 1),
         ("q8_0", 30, 12, 2, 96, 96, 0),
     ] {
         let plan = moe_prefill_plan(rows, k, experts, hidden, inter);
-        run_driver_with(
+        let text = run_driver_with(
             exe,
             Some(name),
             &[
@@ -625,5 +635,27 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
             3,
             &format!("the emulated {name} prefill experts ({rows} rows, top {k} of {experts})"),
         );
+        let numbers: Vec<usize> = text
+            .lines()
+            .find(|l| l.starts_with("moe_prefill_align:"))
+            .expect("the align kernel's line")
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        // blocks, experts with several, experts with none, full, past half, within half
+        let [_, several, _, full, past_half, within_half] = numbers[..] else {
+            panic!("unexpected align line in {text}")
+        };
+        for (f, v) in fills
+            .iter_mut()
+            .zip([several, full, past_half, within_half])
+        {
+            *f += v;
+        }
     }
+    assert!(
+        fills.iter().all(|&f| f > 0),
+        "the cases should cover experts with several blocks and full, past-half and within-half \
+         blocks; they made {fills:?}"
+    );
 }

@@ -16,6 +16,7 @@
 // against a GPU.
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -44,6 +45,7 @@ struct Warp {
 inline thread_local Dim3 thread_idx, block_idx;
 inline Dim3 block_dim, grid_dim;
 inline thread_local std::barrier<>* block_barrier = nullptr;
+inline thread_local std::atomic<int>* block_count = nullptr;
 inline thread_local Warp* warp = nullptr;
 inline thread_local unsigned lane = 0;
 // Per thread, as concurrent blocks each have their own.
@@ -87,12 +89,26 @@ inline unsigned ballot(int pred) {
     return r;
 }
 
+// __syncthreads_count: a barrier that returns how many of the block's threads passed a nonzero
+// predicate (every thread must call it). The third barrier keeps the count's reset from racing
+// the next call's additions.
+inline int syncthreads_count(int pred) {
+    if (pred) block_count->fetch_add(1);
+    block_barrier->arrive_and_wait();
+    const int r = block_count->load();
+    block_barrier->arrive_and_wait();
+    if (thread_idx.x == 0 && thread_idx.y == 0 && thread_idx.z == 0) block_count->store(0);
+    block_barrier->arrive_and_wait();
+    return r;
+}
+
 // One block's state: its shared memory (garbage, as on the GPU: a kernel that reads shared
 // memory before writing it gets NaNs, not zeros), barrier and warps.
 struct Block {
     std::unique_ptr<unsigned char[]> shared;
     size_t smem;
     std::barrier<> bar;
+    std::atomic<int> count{0};  // __syncthreads_count's
     std::unique_ptr<Warp[]> warps;
     Block(size_t smem, unsigned threads)
         : shared(new unsigned char[smem == 0 ? 1 : smem]), smem(smem), bar(threads), warps(new Warp[threads / 32]) {
@@ -118,6 +134,7 @@ void spawn_block(std::vector<std::thread>& pool, Block& b, Dim3 block, Dim3 idx,
             thread_idx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
             block_idx = idx;
             block_barrier = &b.bar;
+            block_count = &b.count;
             warp = &b.warps[t / 32];
             lane = t % 32;
             dynamic_smem_base = b.smem == 0 ? nullptr : b.shared.get();
@@ -178,6 +195,7 @@ void launch_concurrent(Dim3 grid, Dim3 block, size_t smem, Kernel kernel) {
 #define __align__(n) alignas(n)
 #define EMU_ASM(...) (emu::unsupported_asm())
 #define __syncthreads() (emu::block_barrier->arrive_and_wait())
+#define __syncthreads_count(pred) (emu::syncthreads_count(pred))
 
 struct alignas(16) float4 {
     float x, y, z, w;

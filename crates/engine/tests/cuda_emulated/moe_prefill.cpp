@@ -126,6 +126,9 @@ int main(int argc, char** argv) {
     bool align_ok = true;
     std::vector<int> seen((size_t)n * k, 0), pos_of((size_t)n * k, -1);
     int used = 0, last = -1, multi = 0;
+    // Blocks by how full: every entry, past the first half (the second warp half partly
+    // idle), within the first half (the second half's warps skip all their products).
+    int full = 0, past_half = 0, within_half = 0;
     std::vector<int> blocks_of(experts, 0);
     for (int b = 0; b < max_blocks; b++) {
         const u32 e = block_expert[b];
@@ -145,6 +148,9 @@ int main(int argc, char** argv) {
             }
         }
         align_ok &= filled > 0;
+        if (filled == MP_BM) full++;
+        else if (filled > MP_BM / 2) past_half++;
+        else within_half++;
     }
     for (int b = used; b < max_blocks; b++) align_ok &= block_expert[b] == MP_EMPTY;
     for (int v : seen) align_ok &= v == 1;
@@ -156,8 +162,9 @@ int main(int argc, char** argv) {
             if (j > 0) align_ok &= ids[s] > ids[combine_slots[(size_t)r * k + j - 1]];
         }
     const int empty_experts = (int)std::count(blocks_of.begin(), blocks_of.end(), 0);
-    std::printf("moe_prefill_align: %d blocks (%d experts with several, %d with none): %s\n", used, multi,
-                empty_experts, align_ok ? "ok" : "WRONG");
+    std::printf("moe_prefill_align: %d blocks (%d experts with several, %d with none; fill: %d full, %d past "
+                "half, %d within half): %s\n",
+                used, multi, empty_experts, full, past_half, within_half, align_ok ? "ok" : "WRONG");
 
     // Every expert's rows decoded once.
     std::vector<std::vector<std::vector<double>>> gu_rows(experts), down_rows(experts);

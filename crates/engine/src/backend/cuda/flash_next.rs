@@ -141,8 +141,8 @@ pub fn decode_q8_down_plan(
 /// Entries (row, pick) a block of the prefill experts' sorted list holds, weight rows a CTA of
 /// their kernels takes, the shared-memory row stride in u32, and the most picks a row the align
 /// kernel sorts (kernels/moe_prefill.cu `MP_BM`, `MP_ROWS`, `MP_STRIDE`, `MP_MAX_K`).
-const MP_BM: usize = 64;
-const MP_ROWS: usize = 256;
+const MP_BM: usize = 128;
+const MP_ROWS: usize = 128;
 const MP_STRIDE: usize = 36;
 const MP_MAX_K: usize = 16;
 /// Threads of the align kernel's one CTA, and of the expert kernels' CTAs (`MP_WARPS` warps).
@@ -157,7 +157,7 @@ pub struct MoePrefillPlan {
     /// padded to whole blocks, so at most one partial block per hit expert beyond
     /// entries / `MP_BM` (the grids' y; CTAs past the routing's count return at once).
     pub max_blocks: usize,
-    /// CTAs along x of `moe_prefill_gate_up` (128 intermediate columns each) and of
+    /// CTAs along x of `moe_prefill_gate_up` (`MP_ROWS / 2` intermediate columns each) and of
     /// `moe_prefill_down` (`MP_ROWS` output rows each).
     pub gate_up_blocks: usize,
     pub down_blocks: usize,
