@@ -78,6 +78,19 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)((x + r) >> 16);
 }
 
+// Two floats rounded to BF16 (nearest even) and packed, lo in the low half: one cvt on sm_80+
+// instead of two software roundings. Equal to f32_to_bf16's for every non-NaN input (a NaN
+// becomes the canonical 0x7fff).
+__device__ __forceinline__ u32 bf16x2(float lo, float hi) {
+#ifdef CAPY_EMULATED
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+#else
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
 __device__ __forceinline__ u16 f32_to_f16(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));

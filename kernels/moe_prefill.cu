@@ -99,32 +99,96 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
 #define MP_SMEM_BYTES ((MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4)
 
 // Weight groups of 8 a thread stages a k-step: a row's MP_BK / 8 groups shared by the
-// threads t, t + MP_ROWS, … (MP_ROWS divides the CTA's threads).
+// threads t, t + MP_ROWS (MP_ROWS divides the CTA's threads): 32 weights, a unit of the
+// block formats' scales.
 #define MP_STAGE_GROUPS (MP_ROWS * (MP_BK / 8) / (MP_WARPS * 32))
+
+// The 32 weights of unit `u` of a row (weights 32u … 32u + 31) as 16 BF16 pairs, for the
+// formats whose blocks hold whole units (IQ3_S: 8 units a block, one scale nibble, qh byte and
+// 4 sign bytes each; Q2_0: 2 units a block). Each value equals qdecode8's rounded to BF16: the
+// same products, formed without the per-group address arithmetic, reloaded scales or I2F
+// (moe_quant_decode.cu's `byte_times`).
+template <int FMT>
+__device__ __forceinline__ void mp_decode_unit(const unsigned char* row, int u, u32* out) {
+    if (FMT == QF_IQ3_S) {
+        const unsigned char* b = row + (u >> 3) * 110;
+        const int s8 = u & 7;
+        const float d = qf16(b);
+        const float db = d * (float)(1 + 2 * ((b[106 + (s8 >> 1)] >> (4 * (s8 & 1))) & 15));
+        const float db_lo = -8388608.0f * db;
+        const u32 qh = b[66 + s8];
+        const unsigned char* qs = b + 2 + 8 * s8;
+        const unsigned char* sg = b + 74 + 4 * s8;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const u32 signs = sg[q];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int i = 2 * q + h;
+                const u32 grid = QT_IQ3S[qs[i] | (((qh >> i) & 1) << 8)];
+                float v[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    v[j] = signed_value(byte_times(grid, j, db, db_lo), signs, 4 * h + j);
+                }
+                out[4 * q + 2 * h] = bf16x2(v[0], v[1]);
+                out[4 * q + 2 * h + 1] = bf16x2(v[2], v[3]);
+            }
+        }
+    } else {  // QF_Q2_0: (code - 1) · d, code 2 bits
+        const unsigned char* b = row + (u >> 1) * 18;
+        const float d = qf16(b);
+        const unsigned char* q = b + 2 + 8 * (u & 1);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const u32 codes = q[i];
+            float v[4];
+            // code - 1 as a float without I2F (the code under 2^23's exponent, less 2^23 + 1:
+            // exact), times d as qdecode8 multiplies (so a zero keeps d's sign too).
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                v[j] = (__uint_as_float(0x4B000000u | ((codes >> (2 * j)) & 3u)) - 8388609.0f) * d;
+            out[2 * i] = bf16x2(v[0], v[1]);
+            out[2 * i + 1] = bf16x2(v[2], v[3]);
+        }
+    }
+}
 
 // The k-step at k0 of this thread's staging row (`row`: its bytes, null past the matrix; the
 // CTA's row threadIdx.x % MP_ROWS), its MP_STAGE_GROUPS groups decoded into the shared row as
 // BF16; columns at or past `cols` are zeros. A row a thread (not a row's groups spread over
 // a warp): the row's pointer is the only address the staging keeps across k-steps, and a
-// block's scales are read once for its groups. Spread, the compiler kept 8 row pointers live
+// unit's scales are read once for its groups. Spread, the compiler kept 8 row pointers live
 // beside the 64 accumulators and the kernels spilled at their 128-register bound. The groups
 // are decoded into registers before any is stored, so their global loads are all in flight.
 template <int FMT>
 __device__ __forceinline__ void mp_stage_weights(int k0, int cols, u32* ws, const unsigned char* row) {
+    static_assert(MP_STAGE_GROUPS == 4, "a thread stages one 32-weight unit");
     const int g0 = (threadIdx.x / MP_ROWS) * MP_STAGE_GROUPS;
     u32* dst = ws + (threadIdx.x % MP_ROWS) * MP_STRIDE + 4 * g0;
-    u32 packed[MP_STAGE_GROUPS][4];
+    u32 packed[4 * MP_STAGE_GROUPS];
+    const int col0 = k0 + 8 * g0;
+    if (FMT == QF_IQ3_S || FMT == QF_Q2_0) {
+        // Their rows hold whole units (256- and 64-weight blocks): a unit is all in or all out.
+        if (row && col0 < cols) {
+            mp_decode_unit<FMT>(row, col0 >> 5, packed);
+        } else {
 #pragma unroll
-    for (int g = 0; g < MP_STAGE_GROUPS; g++) {
-        const int col = k0 + 8 * (g0 + g);
-        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
+            for (int j = 0; j < 4 * MP_STAGE_GROUPS; j++) packed[j] = 0;
+        }
+    } else {
 #pragma unroll
-        for (int j = 0; j < 4; j++) packed[g][j] = (u32)f32_to_bf16(f[2 * j]) | ((u32)f32_to_bf16(f[2 * j + 1]) << 16);
+        for (int g = 0; g < MP_STAGE_GROUPS; g++) {
+            const int col = col0 + 8 * g;
+            float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
+#pragma unroll
+            for (int j = 0; j < 4; j++) packed[4 * g + j] = bf16x2(f[2 * j], f[2 * j + 1]);
+        }
     }
 #pragma unroll
     for (int g = 0; g < MP_STAGE_GROUPS; g++)
-        *(uint4*)(dst + 4 * g) = make_uint4(packed[g][0], packed[g][1], packed[g][2], packed[g][3]);
+        *(uint4*)(dst + 4 * g) = make_uint4(packed[4 * g], packed[4 * g + 1], packed[4 * g + 2], packed[4 * g + 3]);
 }
 
 // The inputs of the block's entries, k0 … k0 + MP_BK - 1 of each (BF16 rows of `cols`: row

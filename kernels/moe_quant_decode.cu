@@ -30,6 +30,17 @@ __device__ __forceinline__ float byte_as_float(u32 word, int j) {
     return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u + j)) - 8388608.0f;
 }
 
+// The same byte times m, exactly rounded as (float)b · m is, in one FFMA: (2^23 + b) · m plus
+// m_lo = -2^23 · m (exact: a power-of-two multiple of m).
+__device__ __forceinline__ float byte_times(u32 word, int j, float m, float m_lo) {
+    return __fmaf_rn(__uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540u + j)), m, m_lo);
+}
+
+// ±v: negated where bit `bit` of `signs` is set.
+__device__ __forceinline__ float signed_value(float v, u32 signs, int bit) {
+    return __uint_as_float(__float_as_uint(v) ^ ((signs << (31 - bit)) & 0x80000000u));
+}
+
 // IQ3_S: 110-byte blocks of 256 weights (a step is 16 of them). Table: the 512 grid entries
 // (4 magnitude bytes each) in shared memory, 2 KiB; each byte becomes a float as above.
 template <>
@@ -37,10 +48,6 @@ struct Step16<QF_IQ3_S> {
     static constexpr int BLOCK_WEIGHTS = 256, BLOCK_BYTES = 110, TABLE_WORDS = 512;
     __device__ static void fill(u32* t) {
         for (int i = threadIdx.x; i < 512; i += blockDim.x) t[i] = QT_IQ3S[i];
-    }
-    // ±v: negated where bit `bit` of `signs` is set.
-    __device__ static float signed_value(float v, u32 signs, int bit) {
-        return __uint_as_float(__float_as_uint(v) ^ ((signs << (31 - bit)) & 0x80000000u));
     }
     // Σ w · x over weights 16s..16s+15 of the block at b, unscaled; the scale in `scale`.
     __device__ static float dot(const unsigned char* b, int s, const u32* t, const float4* x, float& scale) {

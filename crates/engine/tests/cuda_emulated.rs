@@ -189,6 +189,7 @@ driver!(
         "<quant tables>",
         "kernels/quant_matvec.cu",
         "kernels/moe_quant.cu",
+        "kernels/moe_quant_decode.cu",
         "kernels/moe_prefill.cu"
     ]
 );
@@ -597,7 +598,8 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
 }
 
 /// Prefill's routed experts on the device (cuda_emulated/moe_prefill.cpp), launched as the
-/// engine plans them: the sort by expert into padded blocks, and the tensor-core gate/up and
+/// engine plans them: the sort by expert into padded blocks, the IQ3_S and Q2_0 32-weight unit
+/// decode against the 8-weight groups' bit for bit, and the tensor-core gate/up and
 /// down kernels reading quantized weights, against double sums, for IQ3_S gate/up with Q2_0
 /// down, for NVFP4 and for Q8_0. Shapes with partial tiles (intermediate columns past a CTA's
 /// 128; with Q8_0's 32-weight blocks, k-steps past the last column), gate/up rows
@@ -632,7 +634,8 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
                 plan.down_blocks,
                 plan.smem,
             ],
-            3,
+            // IQ3_S/Q2_0 add the unit decode's check.
+            if name == "iq3s" { 4 } else { 3 },
             &format!("the emulated {name} prefill experts ({rows} rows, top {k} of {experts})"),
         );
         let numbers: Vec<usize> = text

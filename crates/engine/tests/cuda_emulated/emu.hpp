@@ -274,6 +274,7 @@ inline float __fmul_rn(float a, float b) {
     return p;
 }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 // PTX prmt: byte k of the result is byte (s >> 4k) & 7 of the pair y:x, or that byte's sign
 // replicated where bit 3 of the selector nibble is set.
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {

@@ -39,6 +39,25 @@ static std::vector<double> decoded_row(int fmt, const unsigned char* m, u64 row_
     return out;
 }
 
+// Whether mp_decode_unit's BF16 pairs equal qdecode8's values rounded to BF16, bit for bit,
+// over every unit of `rows` rows (the formats it decodes a 32-weight unit at a time).
+template <int FMT>
+static bool units_match_groups(const unsigned char* m, u64 row_bytes, int rows, int cols) {
+    bool ok = true;
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < cols / 32; u++) {
+            u32 pairs[16];
+            mp_decode_unit<FMT>(m + (size_t)r * row_bytes, u, pairs);
+            for (int g = 0; g < 4; g++) {
+                float f[8];
+                qdecode8<FMT>(m + (size_t)r * row_bytes, 4 * u + g, f);
+                for (int j = 0; j < 4; j++)
+                    ok &= pairs[4 * g + j] == ((u32)f32_to_bf16(f[2 * j]) | ((u32)f32_to_bf16(f[2 * j + 1]) << 16));
+            }
+        }
+    return ok;
+}
+
 int main(int argc, char** argv) {
     if (argc < 13) {
         std::fprintf(stderr,
@@ -165,6 +184,17 @@ int main(int argc, char** argv) {
     std::printf("moe_prefill_align: %d blocks (%d experts with several, %d with none; fill: %d full, %d past "
                 "half, %d within half): %s\n",
                 used, multi, empty_experts, full, past_half, within_half, align_ok ? "ok" : "WRONG");
+
+    // The 32-weight unit decode of the formats that have one (IQ3_S gate/up, Q2_0 down).
+    if (gu_fmt == QF_IQ3_S) {
+        bool units_ok = true;
+        for (int e = 0; e < experts; e++)
+            units_ok &= units_match_groups<QF_IQ3_S>(gate_up[e].get(), gu_row, 2 * inter, hidden) &&
+                        units_match_groups<QF_Q2_0>(down[e].get(), down_row, hidden, inter);
+        std::printf("mp_decode_unit: IQ3_S and Q2_0 units equal the rounded groups bit for bit: %s\n",
+                    units_ok ? "ok" : "WRONG");
+        align_ok &= units_ok;
+    }
 
     // Every expert's rows decoded once.
     std::vector<std::vector<std::vector<double>>> gu_rows(experts), down_rows(experts);
