@@ -91,6 +91,32 @@ __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
 #endif
 }
 
+// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+),
+// or 16 zero bytes where !valid (src is then not read). Completes at cp_async_wait.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#ifdef CAPY_EMULATED
+    if (valid) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+#else
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+// Closes the group of cp_async16 issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef CAPY_EMULATED
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+// Waits until at most N committed groups are still in flight (this thread's copies only: a
+// barrier after it makes every thread's visible).
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef CAPY_EMULATED
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
 __device__ __forceinline__ u16 f32_to_f16(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));

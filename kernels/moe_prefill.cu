@@ -94,54 +94,81 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
     }
 }
 
-// The CTA's shared memory: weights [MP_ROWS][MP_STRIDE], inputs [MP_BM][MP_STRIDE], the
-// block's entries [MP_BM].
-#define MP_SMEM_BYTES ((MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4)
+// The CTA's shared memory: weights [MP_ROWS][MP_STRIDE], inputs [2][MP_BM][MP_STRIDE] (the
+// k-step being multiplied and the next, in flight), the block's entries [MP_BM].
+#define MP_ENTRIES_AT ((MP_ROWS + 2 * MP_BM) * MP_STRIDE)
+#define MP_SMEM_BYTES (MP_ENTRIES_AT * 4 + MP_BM * 4)
 
 // Weight groups of 8 a thread stages a k-step: a row's MP_BK / 8 groups shared by the
 // threads t, t + MP_ROWS (MP_ROWS divides the CTA's threads): 32 weights, a unit of the
 // block formats' scales.
 #define MP_STAGE_GROUPS (MP_ROWS * (MP_BK / 8) / (MP_WARPS * 32))
 
-// The 32 weights of unit `u` of a row (weights 32u … 32u + 31) as 16 BF16 pairs, for the
-// formats whose blocks hold whole units (IQ3_S: 8 units a block, one scale nibble, qh byte and
-// 4 sign bytes each; Q2_0: 2 units a block). Each value equals qdecode8's rounded to BF16: the
-// same products, formed without the per-group address arithmetic, reloaded scales or I2F
-// (moe_quant_decode.cu's `byte_times`).
+// The formats whose blocks hold whole 32-weight units (IQ3_S: 8 units a block, with one scale
+// nibble, qh byte and 4 sign bytes each; Q2_0: 2 units a block): their unit's bytes are loaded
+// a k-step ahead (mp_load_unit) and decoded from registers (mp_decode_unit).
+#define MP_UNIT_FORMAT(FMT) ((FMT) == QF_IQ3_S || (FMT) == QF_Q2_0)
+
+// The bytes of one unit: IQ3_S w[0] = d | scale nibble << 16 | qh << 24, w[1..2] the 8 index
+// bytes, w[3] the 4 sign bytes; Q2_0 w[0] = d, w[1..2] the 8 code bytes. All zeros past the
+// matrix (decoded as zeros: d = 0).
+struct MpUnit {
+    u32 w[4];
+};
+
+// Unit `u` (weights 32u … 32u + 31) of a row, or zeros where !in. Blocks start at even
+// offsets (110 and 18 bytes), so every field is read as whole u16s.
 template <int FMT>
-__device__ __forceinline__ void mp_decode_unit(const unsigned char* row, int u, u32* out) {
+__device__ __forceinline__ MpUnit mp_load_unit(const unsigned char* row, int u, bool in) {
+    MpUnit r = {{0, 0, 0, 0}};
+    if (!in) return r;
     if (FMT == QF_IQ3_S) {
         const unsigned char* b = row + (u >> 3) * 110;
         const int s8 = u & 7;
-        const float d = qf16(b);
-        const float db = d * (float)(1 + 2 * ((b[106 + (s8 >> 1)] >> (4 * (s8 & 1))) & 15));
+        const u16* qs = (const u16*)(b + 2 + 8 * s8);
+        const u16* sg = (const u16*)(b + 74 + 4 * s8);
+        r.w[0] = *(const u16*)b | (((u32)(b[106 + (s8 >> 1)] >> (4 * (s8 & 1))) & 15) << 16) | ((u32)b[66 + s8] << 24);
+        r.w[1] = qs[0] | ((u32)qs[1] << 16);
+        r.w[2] = qs[2] | ((u32)qs[3] << 16);
+        r.w[3] = sg[0] | ((u32)sg[1] << 16);
+    } else {  // QF_Q2_0
+        const unsigned char* b = row + (u >> 1) * 18;
+        const u16* q = (const u16*)(b + 2 + 8 * (u & 1));
+        r.w[0] = *(const u16*)b;
+        r.w[1] = q[0] | ((u32)q[1] << 16);
+        r.w[2] = q[2] | ((u32)q[3] << 16);
+    }
+    return r;
+}
+
+// A loaded unit's 32 weights as 16 BF16 pairs. Each value equals qdecode8's rounded to BF16:
+// the same products, formed without the per-group address arithmetic, reloaded scales or I2F
+// (moe_quant_decode.cu's `byte_times`).
+template <int FMT>
+__device__ __forceinline__ void mp_decode_unit(const MpUnit& r, u32* out) {
+    const float d = f16_to_f32((u16)(r.w[0] & 0xffff));
+    if (FMT == QF_IQ3_S) {
+        const float db = d * (float)(1 + 2 * ((r.w[0] >> 16) & 15));
         const float db_lo = -8388608.0f * db;
-        const u32 qh = b[66 + s8];
-        const unsigned char* qs = b + 2 + 8 * s8;
-        const unsigned char* sg = b + 74 + 4 * s8;
+        const u32 qh = r.w[0] >> 24;
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            const u32 signs = sg[q];
+            const u32 signs = (r.w[3] >> (8 * q)) & 255;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int i = 2 * q + h;
-                const u32 grid = QT_IQ3S[qs[i] | (((qh >> i) & 1) << 8)];
+                const u32 grid = QT_IQ3S[((r.w[1 + (i >> 2)] >> (8 * (i & 3))) & 255) | (((qh >> i) & 1) << 8)];
                 float v[4];
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    v[j] = signed_value(byte_times(grid, j, db, db_lo), signs, 4 * h + j);
-                }
+                for (int j = 0; j < 4; j++) v[j] = signed_value(byte_times(grid, j, db, db_lo), signs, 4 * h + j);
                 out[4 * q + 2 * h] = bf16x2(v[0], v[1]);
                 out[4 * q + 2 * h + 1] = bf16x2(v[2], v[3]);
             }
         }
     } else {  // QF_Q2_0: (code - 1) · d, code 2 bits
-        const unsigned char* b = row + (u >> 1) * 18;
-        const float d = qf16(b);
-        const unsigned char* q = b + 2 + 8 * (u & 1);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const u32 codes = q[i];
+            const u32 codes = (r.w[1 + (i >> 2)] >> (8 * (i & 3))) & 255;
             float v[4];
             // code - 1 as a float without I2F (the code under 2^23's exponent, less 2^23 + 1:
             // exact), times d as qdecode8 multiplies (so a zero keeps d's sign too).
@@ -154,63 +181,58 @@ __device__ __forceinline__ void mp_decode_unit(const unsigned char* row, int u, 
     }
 }
 
-// The k-step at k0 of this thread's staging row (`row`: its bytes, null past the matrix; the
-// CTA's row threadIdx.x % MP_ROWS), its MP_STAGE_GROUPS groups decoded into the shared row as
-// BF16; columns at or past `cols` are zeros. A row a thread (not a row's groups spread over
-// a warp): the row's pointer is the only address the staging keeps across k-steps, and a
-// unit's scales are read once for its groups. Spread, the compiler kept 8 row pointers live
-// beside the 64 accumulators and the kernels spilled at their 128-register bound. The groups
-// are decoded into registers before any is stored, so their global loads are all in flight.
-template <int FMT>
-__device__ __forceinline__ void mp_stage_weights(int k0, int cols, u32* ws, const unsigned char* row) {
-    static_assert(MP_STAGE_GROUPS == 4, "a thread stages one 32-weight unit");
+// This thread's staged words of a k-step (16 BF16 pairs) into its shared row.
+__device__ __forceinline__ void mp_store_unit(u32* ws, const u32* packed) {
     const int g0 = (threadIdx.x / MP_ROWS) * MP_STAGE_GROUPS;
     u32* dst = ws + (threadIdx.x % MP_ROWS) * MP_STRIDE + 4 * g0;
-    u32 packed[4 * MP_STAGE_GROUPS];
-    const int col0 = k0 + 8 * g0;
-    if (FMT == QF_IQ3_S || FMT == QF_Q2_0) {
-        // Their rows hold whole units (256- and 64-weight blocks): a unit is all in or all out.
-        if (row && col0 < cols) {
-            mp_decode_unit<FMT>(row, col0 >> 5, packed);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4 * MP_STAGE_GROUPS; j++) packed[j] = 0;
-        }
-    } else {
-#pragma unroll
-        for (int g = 0; g < MP_STAGE_GROUPS; g++) {
-            const int col = col0 + 8 * g;
-            float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
-#pragma unroll
-            for (int j = 0; j < 4; j++) packed[4 * g + j] = bf16x2(f[2 * j], f[2 * j + 1]);
-        }
-    }
 #pragma unroll
     for (int g = 0; g < MP_STAGE_GROUPS; g++)
         *(uint4*)(dst + 4 * g) = make_uint4(packed[4 * g], packed[4 * g + 1], packed[4 * g + 2], packed[4 * g + 3]);
 }
 
+// The first column of this thread's unit in the k-step at k0. A row a thread (not a row's
+// groups spread over a warp): the row's pointer is the only address the staging keeps across
+// k-steps, and a unit's scales are read once. Spread, the compiler kept 8 row pointers live
+// beside the 64 accumulators and the kernels spilled at their 128-register bound.
+__device__ __forceinline__ int mp_unit_col(int k0) {
+    static_assert(MP_STAGE_GROUPS == 4, "a thread stages one 32-weight unit");
+    return k0 + 8 * (threadIdx.x / MP_ROWS) * MP_STAGE_GROUPS;
+}
+
+// The other formats' k-step at k0 of this thread's staging row (`row`: null past the matrix),
+// decoded a group of 8 at a time from global memory into BF16 pairs; columns at or past `cols`
+// are zeros. The groups are decoded into registers before any is stored, so their global
+// loads are all in flight at once.
+template <int FMT>
+__device__ __forceinline__ void mp_decode_groups(int k0, int cols, const unsigned char* row, u32* packed) {
+    const int col0 = mp_unit_col(k0);
+#pragma unroll
+    for (int g = 0; g < MP_STAGE_GROUPS; g++) {
+        const int col = col0 + 8 * g;
+        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (row && col < cols) qdecode8<FMT>(row, col >> 3, f);
+#pragma unroll
+        for (int j = 0; j < 4; j++) packed[4 * g + j] = bf16x2(f[2 * j], f[2 * j + 1]);
+    }
+}
+
 // The inputs of the block's entries, k0 … k0 + MP_BK - 1 of each (BF16 rows of `cols`: row
-// `src_row(r, entry)` for the block's r-th entry), into shared memory; padding entries and
-// columns past `cols` are zeros.
+// `src_row(r, entry)` for the block's r-th entry), copied into shared memory asynchronously
+// (cp.async, one commit group); padding entries and columns past `cols` are zeros.
 template <typename SrcRow>
 __device__ __forceinline__ void mp_stage_inputs(const u16* src, int cols, int k0, const u32* entries, u32* xs,
                                                 SrcRow src_row) {
     constexpr int units = MP_BM * (MP_BK / 8) / (MP_WARPS * 32);
     const int part = threadIdx.x % (MP_BK / 8), r0 = threadIdx.x / (MP_BK / 8);
     const int col = k0 + 8 * part;
-    uint4 v[units];
 #pragma unroll
     for (int i = 0; i < units; i++) {
         const int r = r0 + i * (MP_WARPS * 32 / (MP_BK / 8));
-        v[i] = make_uint4(0, 0, 0, 0);
         const u32 entry = entries[r];
-        if (entry != MP_EMPTY && col < cols) v[i] = *(const uint4*)(src + (u64)src_row(r, entry) * cols + col);
+        const bool in = entry != MP_EMPTY && col < cols;
+        cp_async16(xs + r * MP_STRIDE + 4 * part, in ? src + (u64)src_row(r, entry) * cols + col : src, in);
     }
-#pragma unroll
-    for (int i = 0; i < units; i++)
-        *(uint4*)(xs + (r0 + i * (MP_WARPS * 32 / (MP_BK / 8))) * MP_STRIDE + 4 * part) = v[i];
+    cp_async_commit();
 }
 
 // One k-step of a warp's products: its two m16 tiles (shared weight rows m0, m1) against its
@@ -259,25 +281,40 @@ __device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u
 // The CTA's products over `cols` columns, a k-step at a time: its MP_ROWS weight rows (this
 // thread's staging row is `row`) decoded into shared memory beside its entries' inputs
 // (`src_row` of src), then each warp's two m16 tiles (shared rows m0, m1) against its 8 n8
-// tiles of entries (shared input rows n0 …), into acc.
+// tiles of entries (shared input rows n0 …), into acc. Pipelined a k-step deep: the next
+// step's inputs (cp.async) and, for the unit formats, its weight bytes (registers) are in
+// flight while this step's products run.
 template <int FMT, typename SrcRow>
 __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* row, const u16* src, SrcRow src_row,
                                                  int m0, int m1, int n0, int valid, u32* smem, float (*acc)[8][4]) {
     u32* ws = smem;
     u32* xs = ws + MP_ROWS * MP_STRIDE;
-    const u32* entries = xs + MP_BM * MP_STRIDE;
+    const u32* entries = smem + MP_ENTRIES_AT;
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
-    for (int k0 = 0; k0 < cols; k0 += MP_BK) {
-        if (k0 > 0) __syncthreads();  // the previous step's products are done
-        mp_stage_weights<FMT>(k0, cols, ws, row);
-        mp_stage_inputs(src, cols, k0, entries, xs, src_row);
+    mp_stage_inputs(src, cols, 0, entries, xs, src_row);
+    MpUnit unit;
+    if (MP_UNIT_FORMAT(FMT)) unit = mp_load_unit<FMT>(row, mp_unit_col(0) >> 5, row && mp_unit_col(0) < cols);
+    for (int k0 = 0, step = 0; k0 < cols; k0 += MP_BK, step ^= 1) {
+        u32 packed[4 * MP_STAGE_GROUPS];
+        if (MP_UNIT_FORMAT(FMT)) mp_decode_unit<FMT>(unit, packed);
+        else mp_decode_groups<FMT>(k0, cols, row, packed);
+        if (k0 > 0) __syncthreads();  // the previous step's products are done with ws and its xs
+        mp_store_unit(ws, packed);
+        const int next = k0 + MP_BK;
+        if (next < cols) {
+            mp_stage_inputs(src, cols, next, entries, xs + (step ^ 1) * MP_BM * MP_STRIDE, src_row);
+            if (MP_UNIT_FORMAT(FMT)) unit = mp_load_unit<FMT>(row, mp_unit_col(next) >> 5, row && mp_unit_col(next) < cols);
+            cp_async_wait<1>();  // this step's inputs are in; the next step's may be in flight
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        mp_mma_step(ws, xs + n0 * MP_STRIDE, m0, m1, valid - n0, acc);
+        mp_mma_step(ws, xs + (step * MP_BM + n0) * MP_STRIDE, m0, m1, valid - n0, acc);
     }
 }
 
@@ -290,7 +327,7 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
                                                          const u32* sorted, int k, const u16* xb, u16* act,
                                                          int hidden, int inter, u64 row_bytes, int interleaved) {
     extern __shared__ u32 mp_smem[];
-    u32* entries = mp_smem + (MP_ROWS + MP_BM) * MP_STRIDE;
+    u32* entries = mp_smem + MP_ENTRIES_AT;
     int valid;
     const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
@@ -328,7 +365,7 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
                                                       const u32* sorted, const u16* act, float* ys, int hidden,
                                                       int inter, u64 row_bytes) {
     extern __shared__ u32 mp_smem[];
-    u32* entries = mp_smem + (MP_ROWS + MP_BM) * MP_STRIDE;
+    u32* entries = mp_smem + MP_ENTRIES_AT;
     int valid;
     const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;

@@ -39,15 +39,15 @@ static std::vector<double> decoded_row(int fmt, const unsigned char* m, u64 row_
     return out;
 }
 
-// Whether mp_decode_unit's BF16 pairs equal qdecode8's values rounded to BF16, bit for bit,
-// over every unit of `rows` rows (the formats it decodes a 32-weight unit at a time).
+// Whether mp_load_unit then mp_decode_unit give BF16 pairs equal to qdecode8's values rounded
+// to BF16, bit for bit, over every unit of `rows` rows (the formats staged a unit at a time).
 template <int FMT>
 static bool units_match_groups(const unsigned char* m, u64 row_bytes, int rows, int cols) {
     bool ok = true;
     for (int r = 0; r < rows; r++)
         for (int u = 0; u < cols / 32; u++) {
             u32 pairs[16];
-            mp_decode_unit<FMT>(m + (size_t)r * row_bytes, u, pairs);
+            mp_decode_unit<FMT>(mp_load_unit<FMT>(m + (size_t)r * row_bytes, u, true), pairs);
             for (int g = 0; g < 4; g++) {
                 float f[8];
                 qdecode8<FMT>(m + (size_t)r * row_bytes, 4 * u + g, f);

@@ -161,7 +161,8 @@ pub struct MoePrefillPlan {
     /// `moe_prefill_down` (`MP_ROWS` output rows each).
     pub gate_up_blocks: usize,
     pub down_blocks: usize,
-    /// Dynamic shared memory of either (weights and inputs of a k-step, the block's entries).
+    /// Dynamic shared memory of either (weights of a k-step, inputs of two, the block's
+    /// entries: `MP_SMEM_BYTES`, past the 48 KiB default, so the kernels opt in at load).
     pub smem: usize,
 }
 
@@ -177,7 +178,7 @@ pub fn moe_prefill_plan(
         max_blocks: entries.div_ceil(MP_BM) + experts.min(entries),
         gate_up_blocks: inter.div_ceil(MP_ROWS / 2),
         down_blocks: hidden.div_ceil(MP_ROWS),
-        smem: (MP_ROWS + MP_BM) * MP_STRIDE * 4 + MP_BM * 4,
+        smem: (MP_ROWS + 2 * MP_BM) * MP_STRIDE * 4 + MP_BM * 4,
     }
 }
 

@@ -351,7 +351,13 @@ impl ChunkedDeltaRulePlan {
     }
 }
 
-const LARGE_SMEM_KERNELS: [&str; 3] = ["gdr_chunk_prep", "gdr_chunk_scan", "quant_matvec_iq3s_q8"];
+const LARGE_SMEM_KERNELS: [&str; 5] = [
+    "gdr_chunk_prep",
+    "gdr_chunk_scan",
+    "quant_matvec_iq3s_q8",
+    "moe_prefill_gate_up",
+    "moe_prefill_down",
+];
 /// The oldest driver API version accepted: CUDA 13.0 (driver R580).
 pub const MIN_DRIVER: i32 = 13000;
 
