@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use capy_engine::backend::cuda::kernels;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// `CAPY_NVRTC_LIB`, else a `libnvrtc.so*` in a folder of `LD_LIBRARY_PATH`.
 fn find_nvrtc() -> Option<PathBuf> {
@@ -12,39 +12,34 @@ fn find_nvrtc() -> Option<PathBuf> {
         return Some(PathBuf::from(p));
     }
     let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    for dir in dirs.split(':').filter(|d| !d.is_empty()) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        let mut found: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("libnvrtc.so"))
-            })
-            .collect();
-        found.sort();
-        if let Some(p) = found.pop() {
-            return Some(p);
-        }
-    }
-    None
+    dirs.split(':')
+        .filter(|d| !d.is_empty())
+        .find_map(|d| kernels::library_in(Path::new(d), "libnvrtc.so"))
 }
 
-#[test]
-fn every_kernel_compiles_for_sm_90_and_sm_120() {
+/// Points the kernel module at the NVRTC found (`find_nvrtc`) and returns true, or prints why
+/// the test is skipped and returns false.
+fn use_nvrtc() -> bool {
     let Some(lib) = find_nvrtc() else {
         println!(
             "skipping: no libnvrtc found (set CAPY_NVRTC_LIB to libnvrtc.so.*, e.g. from `pip install nvidia-cuda-nvrtc`, \
              or add its folder to LD_LIBRARY_PATH)"
         );
-        return;
+        return false;
     };
     // The kernel module loads it from here before its own by-name search.
     std::env::set_var("CAPY_NVRTC_LIB", &lib);
+    println!("NVRTC from {}", lib.display());
+    true
+}
+
+#[test]
+fn every_kernel_compiles_for_sm_90_and_sm_120() {
+    if !use_nvrtc() {
+        return;
+    }
     let (major, minor) = kernels::nvrtc_version().expect("libnvrtc loads and reports its version");
-    println!("NVRTC {major}.{minor} from {}", lib.display());
+    println!("NVRTC {major}.{minor}");
     let sources = kernels::sources();
     assert!(
         sources.len() >= 5,
@@ -82,11 +77,9 @@ fn every_kernel_compiles_for_sm_90_and_sm_120() {
 
 #[test]
 fn unsupported_architecture_is_refused_with_the_supported_list() {
-    let Some(lib) = find_nvrtc() else {
-        println!("skipping: no libnvrtc found (see every_kernel_compiles_for_sm_90_and_sm_120)");
+    if !use_nvrtc() {
         return;
-    };
-    std::env::set_var("CAPY_NVRTC_LIB", &lib);
+    }
     let src = &kernels::sources()[0];
     let err = kernels::compile_cubin(src, 11)
         .expect_err("sm_11 does not exist")
@@ -103,11 +96,9 @@ fn unsupported_architecture_is_refused_with_the_supported_list() {
 /// requests into one gate/up launch on the H100 (bench/results/ncu-detail-moe-prefill-*).
 #[test]
 fn tensor_core_prefill_kernels_fit_their_registers_without_spilling() {
-    let Some(lib) = find_nvrtc() else {
-        println!("skipping: no libnvrtc found (see every_kernel_compiles_for_sm_90_and_sm_120)");
+    if !use_nvrtc() {
         return;
-    };
-    std::env::set_var("CAPY_NVRTC_LIB", &lib);
+    }
     let sources = kernels::sources();
     let quant = sources
         .iter()

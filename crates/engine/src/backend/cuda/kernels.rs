@@ -235,15 +235,16 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 static NVRTC_READY: OnceLock<std::result::Result<(i32, i32), String>> = OnceLock::new();
 
-/// `libnvrtc-builtins.so*` in the folder of `nvrtc` (not the `.alt` ABI variant), if any.
-fn builtins_beside(nvrtc: &Path) -> Option<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir(nvrtc.parent()?)
+/// The last (by name: the highest version) file in `dir` whose name starts with `prefix`, e.g.
+/// `libnvrtc.so` finds `libnvrtc.so.13` (not the `.alt` ABI variant, `libnvrtc.alt.so.13`).
+pub fn library_in(dir: &Path, prefix: &str) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libnvrtc-builtins.so"))
+                .is_some_and(|n| n.starts_with(prefix))
         })
         .collect();
     found.sort();
@@ -262,7 +263,8 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
                 // libnvrtc opens its builtins library by name at the first compile; a wheel's
                 // copy beside it is found only if it is already resident (13.0's wheel sets no
                 // search path for it).
-                if let Some(builtins) = builtins_beside(Path::new(&path)) {
+                let dir = Path::new(&path).parent().unwrap_or(Path::new("."));
+                if let Some(builtins) = library_in(dir, "libnvrtc-builtins.so") {
                     // SAFETY: as below, vendor initialisers only.
                     if let Ok(lib) = unsafe { libloading::Library::new(&builtins) } {
                         std::mem::forget(lib);
