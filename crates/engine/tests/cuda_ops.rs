@@ -351,6 +351,13 @@ fn embedding_and_rope_match_cpu() {
             c.embedding(&mc, &ids).data,
             "embedding {dtype}"
         );
+        let repeated = g.embedding_repeated(&mg, &ids, 4);
+        assert_eq!(g.shape(&repeated), (ids.len(), 4 * h));
+        assert_eq!(
+            g.to_host(&repeated),
+            c.embedding_repeated(&mc, &ids, 4).data,
+            "embedding repeated {dtype}"
+        );
     }
     // Qwen3.8-27B's attention: 24 heads of 256, rotary 64, theta 1e7, positions up to 8K.
     let (heads, d, rot) = (24, 256, 64);
@@ -470,6 +477,11 @@ fn quantized_linear_matches_cpu_dequantized_reference() {
                 &g.to_host(&g.embedding(&mg, &ids)),
                 &c.embedding(&mc, &ids).data,
                 &format!("embedding {}", fmt.name()),
+            );
+            assert_close(
+                &g.to_host(&g.embedding_repeated(&mg, &ids, 3)),
+                &c.embedding_repeated(&mc, &ids, 3).data,
+                &format!("embedding repeated {}", fmt.name()),
             );
         }
     }

@@ -267,6 +267,22 @@ pub trait Backend: Send + Sync + 'static {
     // --- dense math ---
     /// Rows of `table` selected by `ids`.
     fn embedding(&self, table: &Self::Matrix, ids: &[u32]) -> Self::Act;
+    /// Rows of `table` selected by `ids`, each repeated `copies` times along the columns:
+    /// `[n, copies·cols]`. Hyper-connection models start every residual stream from the same
+    /// embedding; a backend with its own memory overrides this to repeat there (at an 8K
+    /// prefill the host round trip moves 84 MB down and 335 MB back up).
+    fn embedding_repeated(&self, table: &Self::Matrix, ids: &[u32], copies: usize) -> Self::Act {
+        let rows = self.embedding(table, ids);
+        let (_, cols) = self.shape(&rows);
+        let emb = self.to_host(&rows);
+        let mut repeated = Vec::with_capacity(emb.len() * copies);
+        for row in emb.chunks_exact(cols.max(1)) {
+            for _ in 0..copies {
+                repeated.extend_from_slice(row);
+            }
+        }
+        self.from_host(ids.len(), copies * cols, &repeated)
+    }
     /// `x · wᵀ`: `[n, in] × [out, in]ᵀ → [n, out]`.
     fn linear(&self, x: &Self::Act, w: &Self::Matrix) -> Self::Act;
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
@@ -779,6 +795,33 @@ mod tests {
             assert_eq!(a.data[r * 4..(r + 1) * 4], data[r * 10..r * 10 + 4]);
             assert_eq!(c.data[r * 5..(r + 1) * 5], data[r * 10 + 4..r * 10 + 9]);
         }
+    }
+
+    #[test]
+    fn default_embedding_repeated_copies_each_row_along_the_columns() {
+        let be = cpu::CpuBackend::new();
+        let table = ramp(5 * 3, 0.4);
+        let w = be
+            .matrix(&crate::tensor::HostTensor::from_f32(
+                "t",
+                vec![5, 3],
+                &table,
+            ))
+            .unwrap();
+        let ids = [4, 0, 4, 2];
+        let y = be.embedding_repeated(&w, &ids, 3);
+        assert_eq!(be.shape(&y), (4, 9));
+        for (r, &id) in ids.iter().enumerate() {
+            let row = &table[id as usize * 3..id as usize * 3 + 3];
+            for copy in 0..3 {
+                assert_eq!(
+                    y.data[r * 9 + copy * 3..r * 9 + copy * 3 + 3],
+                    *row,
+                    "{r} {copy}"
+                );
+            }
+        }
+        assert_eq!(be.shape(&be.embedding_repeated(&w, &[], 3)), (0, 9));
     }
 
     #[test]

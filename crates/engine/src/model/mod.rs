@@ -2,6 +2,7 @@
 //! scheduler and the CLI drive them through.
 
 pub mod batch;
+pub mod host_phases;
 pub mod layers;
 pub mod qwen3_5_text;
 pub mod qwen4_exp_text;

@@ -12,6 +12,7 @@
 //!   matrix, MLP `gate_proj` and `up_proj` into one.
 
 use super::batch::BatchLayout;
+use super::host_phases::HostPhases;
 use super::layers::attention::{Attention, AttentionState};
 use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::mlp::Mlp;
@@ -224,9 +225,11 @@ impl<B: Backend> Qwen3_5Text<B> {
         let (spans, ids, positions) = (&layout.spans, &layout.ids, &layout.positions);
         let eps = self.config.rms_norm_eps as f32;
         let hsz = self.config.hidden_size;
+        let mut phases = HostPhases::from_env();
 
         // 1. token embeddings
         let mut x = b.embedding(&self.embed_tokens, ids);
+        phases.mark("embedding");
         // 2. decoder layers; each residual add is fused with the norm that reads the sum
         //    (the next block's input norm), the last one stands alone
         let mut h = match self.layers.first() {
@@ -245,7 +248,9 @@ impl<B: Backend> Qwen3_5Text<B> {
                             }
                         })
                         .collect();
-                    gdn.forward(b, &h, spans, &mut layer_states)
+                    let out = gdn.forward(b, &h, spans, &mut layer_states);
+                    phases.mark("linear attention");
+                    out
                 }
                 Mixer::Full(attn) => {
                     let mut layer_states: Vec<&mut AttentionState<B>> = states
@@ -257,7 +262,10 @@ impl<B: Backend> Qwen3_5Text<B> {
                             }
                         })
                         .collect();
-                    attn.forward(b, &h, positions, &self.inv_freq, spans, &mut layer_states)
+                    let out =
+                        attn.forward(b, &h, positions, &self.inv_freq, spans, &mut layer_states);
+                    phases.mark("full attention");
+                    out
                 }
             };
             let h_mlp = b.add_rms_norm(
@@ -268,7 +276,9 @@ impl<B: Backend> Qwen3_5Text<B> {
                 NormScale::OnePlus,
                 hsz,
             );
+            phases.mark("residual + norm");
             let m = layer.mlp.forward(b, &h_mlp);
+            phases.mark("mlp");
             match self.layers.get(li + 1) {
                 Some(next) => {
                     h = b.add_rms_norm(
@@ -282,6 +292,7 @@ impl<B: Backend> Qwen3_5Text<B> {
                 }
                 None => b.add_assign(&mut x, &m),
             }
+            phases.mark("residual + norm");
         }
         // 3. final norm and lm_head on the rows that need logits
         let wanted = layout.logit_rows(b, &x, batch);
@@ -295,10 +306,14 @@ impl<B: Backend> Qwen3_5Text<B> {
             );
             b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
         });
+        phases.mark("final norm + lm_head");
         // 4. hand states back, read the logits out per item
         self.sequences
             .put_back(batch, states, &layout, |st, n| st.len += n);
-        Ok(read_out(&self.backend, &layout, logits.as_ref()))
+        let out = read_out(&self.backend, &layout, logits.as_ref());
+        phases.mark("read logits (waits for the GPU)");
+        phases.print(ids.len());
+        Ok(out)
     }
 
     fn check_batch(&self, batch: &[BatchItem<'_>]) -> Result<()> {

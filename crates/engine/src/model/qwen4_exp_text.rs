@@ -14,6 +14,7 @@
 //! are left in the checkpoint unread.
 
 use super::batch::BatchLayout;
+use super::host_phases::HostPhases;
 use super::layers::attention::{Attention, AttentionState};
 use super::layers::gdn::{GatedDeltaNet, LinearState};
 use super::layers::hyper::HyperConnection;
@@ -316,15 +317,12 @@ impl<B: Backend> Qwen4ExpText<B> {
         let mut states = self.sequences.take_batch(batch);
         let layout = BatchLayout::new(batch, states.iter().map(|s| s.len));
         let (spans, ids, positions) = (&layout.spans, &layout.ids, &layout.positions);
-        let (h, s) = (self.config.hidden_size, self.flash.hc_count);
+        let s = self.flash.hc_count;
+        let mut phases = HostPhases::from_env();
 
         // 1. token embeddings, copied into every stream
-        let emb = b.to_host(&b.embedding(&self.embed_tokens, ids));
-        let repeated: Vec<f32> = emb
-            .chunks_exact(h)
-            .flat_map(|row| (0..s).flat_map(move |_| row.iter().copied()))
-            .collect();
-        let mut streams = b.from_host(ids.len(), s * h, &repeated);
+        let mut streams = b.embedding_repeated(&self.embed_tokens, ids, s);
+        phases.mark("embedding");
         // 2. decoder layers
         for (li, layer) in self.layers.iter().enumerate() {
             let mut layer_states: Vec<&mut LayerState<B>> =
@@ -337,6 +335,7 @@ impl<B: Backend> Qwen4ExpText<B> {
                 &self.inv_freq,
                 spans,
                 &mut layer_states,
+                &mut phases,
             );
         }
         // 3. final mixer and lm_head on the rows that need logits
@@ -345,10 +344,14 @@ impl<B: Backend> Qwen4ExpText<B> {
             let (hidden, _) = self.final_mixer.read(b, &b.cat_rows(&wanted));
             b.linear(&hidden, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
         });
+        phases.mark("final mixer + lm_head");
         // 4. hand states back, read the logits out per item
         self.sequences
             .put_back(batch, states, &layout, |st, n| st.len += n);
-        Ok(read_out(&self.backend, &layout, logits.as_ref()))
+        let out = read_out(&self.backend, &layout, logits.as_ref());
+        phases.mark("read logits (waits for the GPU)");
+        phases.print(ids.len());
+        Ok(out)
     }
 
     fn check_batch(&self, batch: &[BatchItem<'_>]) -> Result<()> {
@@ -397,6 +400,7 @@ impl<B: Backend> DecoderLayer<B> {
         inv_freq: &[f32],
         spans: &[Span],
         states: &mut [&mut LayerState<B>],
+        phases: &mut HostPhases,
     ) -> B::Act {
         let mut streams = streams;
         // 1. PLE, then the token mixer between its hyper-connection read and write-back
@@ -414,9 +418,13 @@ impl<B: Backend> DecoderLayer<B> {
                 if let Some(ple) = &self.ple {
                     let add = ple.forward(b, &streams, ids, spans, &mut ple_states);
                     b.add_assign(&mut streams, &add);
+                    phases.mark("ple");
                 }
                 let (x, inject) = self.attn_hyper.read(b, &streams);
-                (gdn.forward(b, &x, spans, &mut gdn_states), inject)
+                phases.mark("hyper read");
+                let out = gdn.forward(b, &x, spans, &mut gdn_states);
+                phases.mark("linear attention");
+                (out, inject)
             }
             Mixer::Attention(attn) => {
                 let mut attn_states: Vec<&mut AttentionState<B>> = states
@@ -429,10 +437,10 @@ impl<B: Backend> DecoderLayer<B> {
                     })
                     .collect();
                 let (x, inject) = self.attn_hyper.read(b, &streams);
-                (
-                    attn.forward(b, &x, positions, inv_freq, spans, &mut attn_states),
-                    inject,
-                )
+                phases.mark("hyper read");
+                let out = attn.forward(b, &x, positions, inv_freq, spans, &mut attn_states);
+                phases.mark("full attention");
+                (out, inject)
             }
         };
         let streams =
@@ -440,9 +448,14 @@ impl<B: Backend> DecoderLayer<B> {
                 .write_back(b, &streams, &x, &inject.expect("layer mixers write back"));
         // 2. sparse MoE between the second read and write-back
         let (x, inject) = self.mlp_hyper.read(b, &streams);
+        phases.mark("hyper write-back + read");
         let out = self.moe.forward(b, &x);
-        self.mlp_hyper
-            .write_back(b, &streams, &out, &inject.expect("layer mixers write back"))
+        phases.mark("moe");
+        let streams =
+            self.mlp_hyper
+                .write_back(b, &streams, &out, &inject.expect("layer mixers write back"));
+        phases.mark("hyper write-back + read");
+        streams
     }
 }
 

@@ -1567,6 +1567,35 @@ impl CudaBackend {
     }
 
     /// Uploads `data` into a fresh buffer (small per-call tables: ids, positions).
+    /// A forward pass of `tokens` rows starts: decode-sized steps are recorded as graphs.
+    fn begin_forward(&self, tokens: usize) {
+        self.bind();
+        self.submit_recorded().unwrap_or_else(|e| panic!("{e:#}"));
+        self.inner.graphs.begin_step(tokens, MATVEC_MAX_ROWS);
+    }
+
+    /// Rows of `table` selected by `ids`, as f32 activations.
+    fn gather_rows(&self, table: &CudaMatrix, ids: &[u32]) -> CudaTensor {
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
+            panic!(
+                "embedding: id {bad} is outside the table's {} rows",
+                table.rows
+            );
+        }
+        let out = self.alloc_act(ids.len(), table.cols, ids.len());
+        if ids.is_empty() {
+            return out;
+        }
+        let dev_ids = self.upload(ids, "token ids");
+        if let Some(q) = table.quant {
+            self.dequant_rows(table, q, dev_ids.ptr, 0, ids.len(), out.ptr(), false);
+        } else {
+            launch!(self, "embedding", (ids.len() as u32, 1, 1), (256, 1, 1), 0;
+                table.buf.ptr, table.dtype as i32, dev_ids.ptr, out.ptr(), table.cols as i32);
+        }
+        out
+    }
+
     fn upload<T: Copy>(&self, data: &[T], what: &str) -> DevBuf {
         let buf = self.alloc(std::mem::size_of_val(data), what);
         self.htod(buf.ptr, data);
@@ -2816,29 +2845,19 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaMatrix, ids: &[u32]) -> CudaTensor {
-        // A forward pass starts here: decode-sized steps are recorded as graphs.
-        self.bind();
-        self.submit_recorded().unwrap_or_else(|e| panic!("{e:#}"));
-        self.inner.graphs.begin_step(ids.len(), MATVEC_MAX_ROWS);
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
-            panic!(
-                "embedding: id {bad} is outside the table's {} rows",
-                table.rows
-            );
-        }
-        let out = self.alloc_act(ids.len(), table.cols, ids.len());
-        if let Some(q) = table.quant {
-            if !ids.is_empty() {
-                let dev_ids = self.upload(ids, "token ids");
-                self.dequant_rows(table, q, dev_ids.ptr, 0, ids.len(), out.ptr(), false);
-            }
-            return out;
-        }
-        if !ids.is_empty() {
-            let dev_ids = self.upload(ids, "token ids");
-            launch!(self, "embedding", (ids.len() as u32, 1, 1), (256, 1, 1), 0;
-                table.buf.ptr, table.dtype as i32, dev_ids.ptr, out.ptr(), table.cols as i32);
-        }
+        self.begin_forward(ids.len());
+        self.gather_rows(table, ids)
+    }
+
+    fn embedding_repeated(&self, table: &CudaMatrix, ids: &[u32], copies: usize) -> CudaTensor {
+        self.begin_forward(ids.len());
+        let repeated: Vec<u32> = ids
+            .iter()
+            .flat_map(|&id| std::iter::repeat_n(id, copies))
+            .collect();
+        let mut out = self.gather_rows(table, &repeated);
+        // [n·copies, cols] and [n, copies·cols] are the same bytes in row-major order.
+        (out.rows, out.cols, out.capacity) = (ids.len(), out.cols * copies, ids.len());
         out
     }
 
