@@ -94,10 +94,13 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
     }
 }
 
-// The CTA's shared memory: weights [MP_ROWS][MP_STRIDE], inputs [2][MP_BM][MP_STRIDE] (the
-// k-step being multiplied and the next, in flight), the block's entries [MP_BM].
-#define MP_ENTRIES_AT ((MP_ROWS + 2 * MP_BM) * MP_STRIDE)
-#define MP_SMEM_BYTES (MP_ENTRIES_AT * 4 + MP_BM * 4)
+// The CTA's shared memory: weights [MP_ROWS][MP_STRIDE], inputs [xbufs][MP_BM][MP_STRIDE],
+// the block's entries [MP_BM]. With two input buffers (xbufs, a kernel argument) the next
+// k-step's inputs are in flight while this one's are multiplied: 55.8 KB a CTA, two CTAs on
+// an SM of 228 KB (sm_90). An SM of ~100 KB (sm_86, sm_89, sm_120: the consumer cards) holds
+// two CTAs of one buffer (37.4 KB) and only one of two; there the other CTA hides the wait.
+#define MP_ENTRIES_AT(XBUFS) ((MP_ROWS + (XBUFS) * MP_BM) * MP_STRIDE)
+#define MP_SMEM_BYTES(XBUFS) (MP_ENTRIES_AT(XBUFS) * 4 + MP_BM * 4)
 
 // Weight groups of 8 a thread stages a k-step: a row's MP_BK / 8 groups shared by the
 // threads t, t + MP_ROWS (MP_ROWS divides the CTA's threads): 32 weights, a unit of the
@@ -281,15 +284,18 @@ __device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u
 // The CTA's products over `cols` columns, a k-step at a time: its MP_ROWS weight rows (this
 // thread's staging row is `row`) decoded into shared memory beside its entries' inputs
 // (`src_row` of src), then each warp's two m16 tiles (shared rows m0, m1) against its 8 n8
-// tiles of entries (shared input rows n0 …), into acc. Pipelined a k-step deep: the next
-// step's inputs (cp.async) and, for the unit formats, its weight bytes (registers) are in
-// flight while this step's products run.
+// tiles of entries (shared input rows n0 …), into acc. Pipelined a k-step deep: for the unit
+// formats the next step's weight bytes (registers) are in flight while this step's products
+// run, and with two input buffers (`xbufs`) its inputs too (cp.async); with one they are
+// fetched once the products are done, in flight while the decoded weights are stored.
 template <int FMT, typename SrcRow>
 __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* row, const u16* src, SrcRow src_row,
-                                                 int m0, int m1, int n0, int valid, u32* smem, float (*acc)[8][4]) {
+                                                 int m0, int m1, int n0, int valid, int xbufs, u32* smem,
+                                                 float (*acc)[8][4]) {
     u32* ws = smem;
     u32* xs = ws + MP_ROWS * MP_STRIDE;
-    const u32* entries = smem + MP_ENTRIES_AT;
+    const u32* entries = smem + MP_ENTRIES_AT(xbufs);
+    const bool ahead = xbufs == 2;
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -299,35 +305,39 @@ __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* 
     mp_stage_inputs(src, cols, 0, entries, xs, src_row);
     MpUnit unit;
     if (MP_UNIT_FORMAT(FMT)) unit = mp_load_unit<FMT>(row, mp_unit_col(0) >> 5, row && mp_unit_col(0) < cols);
-    for (int k0 = 0, step = 0; k0 < cols; k0 += MP_BK, step ^= 1) {
+    for (int k0 = 0, step = 0; k0 < cols; k0 += MP_BK, step ^= (int)ahead) {
         u32 packed[4 * MP_STAGE_GROUPS];
         if (MP_UNIT_FORMAT(FMT)) mp_decode_unit<FMT>(unit, packed);
         else mp_decode_groups<FMT>(k0, cols, row, packed);
-        if (k0 > 0) __syncthreads();  // the previous step's products are done with ws and its xs
+        if (k0 > 0) {
+            __syncthreads();  // the previous step's products are done with ws and its xs
+            if (!ahead) mp_stage_inputs(src, cols, k0, entries, xs, src_row);
+        }
         mp_store_unit(ws, packed);
         const int next = k0 + MP_BK;
         if (next < cols) {
-            mp_stage_inputs(src, cols, next, entries, xs + (step ^ 1) * MP_BM * MP_STRIDE, src_row);
+            if (ahead) mp_stage_inputs(src, cols, next, entries, xs + (step ^ 1) * MP_BM * MP_STRIDE, src_row);
             if (MP_UNIT_FORMAT(FMT)) unit = mp_load_unit<FMT>(row, mp_unit_col(next) >> 5, row && mp_unit_col(next) < cols);
-            cp_async_wait<1>();  // this step's inputs are in; the next step's may be in flight
-        } else {
-            cp_async_wait<0>();
         }
+        // This step's inputs are in; with two buffers the next step's may be in flight.
+        if (ahead && next < cols) cp_async_wait<1>();
+        else cp_async_wait<0>();
         __syncthreads();
         mp_mma_step(ws, xs + (step * MP_BM + n0) * MP_STRIDE, m0, m1, valid - n0, acc);
     }
 }
 
 // grid (ceil(inter / (MP_ROWS / 2)), max_blocks), MP_WARPS warps (exactly: the staging and
-// the warp tiling assume it), MP_SMEM_BYTES of dynamic shared memory.
+// the warp tiling assume it), MP_SMEM_BYTES(xbufs) of dynamic shared memory.
 // xb [n, hidden] BF16 (x rounded); act [max_blocks · MP_BM, inter] BF16, rows by sorted position.
 // table [experts, stride] u64: gate_up pointer, down pointer, …, gate_up multiplier at 4.
 template <int FMT>
 __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int stride, const u32* block_expert,
                                                          const u32* sorted, int k, const u16* xb, u16* act,
-                                                         int hidden, int inter, u64 row_bytes, int interleaved) {
+                                                         int hidden, int inter, u64 row_bytes, int interleaved,
+                                                         int xbufs) {
     extern __shared__ u32 mp_smem[];
-    u32* entries = mp_smem + MP_ENTRIES_AT;
+    u32* entries = mp_smem + MP_ENTRIES_AT(xbufs);
     int valid;
     const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
@@ -343,7 +353,7 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
     const u64 wr = interleaved ? 2 * (u64)staged + up : (u64)up * inter + staged;
     mp_tile_products<FMT>(hidden, staged < inter ? w + wr * row_bytes : nullptr, xb,
                           [k](int, u32 entry) { return entry / (u32)k; }, 16 * quarter, MP_ROWS / 2 + 16 * quarter,
-                          n0, valid, mp_smem, acc);
+                          n0, valid, xbufs, mp_smem, acc);
     const u64 pos0 = (u64)blockIdx.y * MP_BM;
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -363,9 +373,9 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
 template <int FMT>
 __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stride, const u32* block_expert,
                                                       const u32* sorted, const u16* act, float* ys, int hidden,
-                                                      int inter, u64 row_bytes) {
+                                                      int inter, u64 row_bytes, int xbufs) {
     extern __shared__ u32 mp_smem[];
-    u32* entries = mp_smem + MP_ENTRIES_AT;
+    u32* entries = mp_smem + MP_ENTRIES_AT(xbufs);
     int valid;
     const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
@@ -379,7 +389,7 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
     const int staged = o0 + threadIdx.x % MP_ROWS;
     mp_tile_products<FMT>(inter, staged < hidden ? w + (u64)staged * row_bytes : nullptr,
                           act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; }, 32 * quarter,
-                          32 * quarter + 16, n0, valid, mp_smem, acc);
+                          32 * quarter + 16, n0, valid, xbufs, mp_smem, acc);
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
     // Entry by entry (one entries[] value live at a time beside the accumulators).
 #pragma unroll
@@ -403,17 +413,18 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
 extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)
     moe_prefill_gate_up(const u64* table, int stride, const u32* block_expert, const u32* sorted, int k,
                         const u16* xb, u16* act, int fmt, int hidden, int inter, u64 row_bytes,
-                        int interleaved) { KERNEL_START();
-#define MP_GU(F) \
-    moe_prefill_gate_up_impl<F>(table, stride, block_expert, sorted, k, xb, act, hidden, inter, row_bytes, interleaved)
+                        int interleaved, int xbufs) { KERNEL_START();
+#define MP_GU(F)                                                                                              \
+    moe_prefill_gate_up_impl<F>(table, stride, block_expert, sorted, k, xb, act, hidden, inter, row_bytes, interleaved, \
+                                xbufs)
     MOE_Q_DISPATCH(MP_GU)
 #undef MP_GU
 }
 
 extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)
     moe_prefill_down(const u64* table, int stride, const u32* block_expert, const u32* sorted, const u16* act,
-                     float* ys, int fmt, int hidden, int inter, u64 row_bytes) { KERNEL_START();
-#define MP_D(F) moe_prefill_down_impl<F>(table, stride, block_expert, sorted, act, ys, hidden, inter, row_bytes)
+                     float* ys, int fmt, int hidden, int inter, u64 row_bytes, int xbufs) { KERNEL_START();
+#define MP_D(F) moe_prefill_down_impl<F>(table, stride, block_expert, sorted, act, ys, hidden, inter, row_bytes, xbufs)
     MOE_Q_DISPATCH(MP_D)
 #undef MP_D
 }

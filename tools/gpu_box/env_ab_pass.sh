@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Same-run A/B of settings (carry [".gpu"] after build.sh, plus ".gpu-base" for BASE_FN=1):
-# $TESTS first (and $EXACT_TESTS under CAPY_EXACT_MATH=1); then for each case of $CASES
+# $TESTS first (and $EXACT_TESTS under CAPY_EXACT_MATH=1, $ENV_TESTS under a setting); then for each case of $CASES
 # ("model:format:VAR=value[,VAR2=value2] …") the default bench
 # and the bench under VAR=value, as <model>-<format>.json and <model>-<format>-<VAR>.json in $OUT/logs.tgz
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
@@ -18,6 +18,10 @@ for t in $TESTS; do
 done
 for t in $EXACT_TESTS; do
   CAPY_EXACT_MATH=1 step "$t-exact" 120 ".gpu/tests/$t" --test-threads=1
+done
+# ENV_TESTS ("VAR=value:suite …"): a suite again under one setting, as <suite>-<VAR>.txt.
+for case in $ENV_TESTS; do
+  ( export "${case%%:*}"; t=${case#*:}; step "$t-${case%%=*}" 150 ".gpu/tests/$t" --test-threads=1 )
 done
 # The records go into logs.tgz with the logs: a device call returns only a few files.
 bench() { # out-name binary model format

@@ -604,6 +604,8 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
 /// down, for NVFP4 and for Q8_0. Shapes with partial tiles (intermediate columns past a CTA's
 /// 128; with Q8_0's 32-weight blocks, k-steps past the last column), gate/up rows
 /// interleaved, and a skewed routing that gives some experts several blocks and some none.
+/// Each case runs as planned for an sm_90 SM (two input buffers, the next k-step's inputs in
+/// flight) and for a 100 KiB one (sm_120: one buffer).
 #[test]
 fn prefill_experts_on_tensor_cores_match_double_sums() {
     let Some(exe) = moe_prefill_driver() else {
@@ -612,12 +614,17 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
     // Blocks seen over the cases: with several blocks an expert, full, filled past half, and
     // within half (where the second half's warps skip their products).
     let mut fills = [0usize; 4];
-    for (name, rows, experts, k, hidden, inter, interleaved) in [
+    let mut buffers_seen = vec![];
+    for ((name, rows, experts, k, hidden, inter, interleaved), smem_per_sm) in [
         ("iq3s", 150, 4, 2, 256, 192, 0),
         ("nvfp4", 70, 6, 3, 128, 192, 1),
         ("q8_0", 30, 12, 2, 96, 96, 0),
-    ] {
-        let plan = moe_prefill_plan(rows, k, experts, hidden, inter);
+    ]
+    .into_iter()
+    .flat_map(|case| [(case, 233_472), (case, 102_400)])
+    {
+        let plan = moe_prefill_plan(rows, k, experts, hidden, inter, smem_per_sm);
+        buffers_seen.push(plan.input_buffers);
         let text = run_driver_with(
             exe,
             Some(name),
@@ -632,11 +639,16 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
                 plan.max_blocks,
                 plan.gate_up_blocks,
                 plan.down_blocks,
+                plan.input_buffers,
                 plan.smem,
             ],
             // IQ3_S/Q2_0 add the unit decode's check.
             if name == "iq3s" { 4 } else { 3 },
-            &format!("the emulated {name} prefill experts ({rows} rows, top {k} of {experts})"),
+            &format!(
+                "the emulated {name} prefill experts ({rows} rows, top {k} of {experts}, {} input \
+                 buffers)",
+                plan.input_buffers
+            ),
         );
         let numbers: Vec<usize> = text
             .lines()
@@ -656,6 +668,7 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
             *f += v;
         }
     }
+    assert_eq!(buffers_seen, [2, 1, 2, 1, 2, 1]);
     assert!(
         fills.iter().all(|&f| f > 0),
         "the cases should cover experts with several blocks and full, past-half and within-half \

@@ -12,7 +12,7 @@
 //   within f32 rounding (≤ 1e-5 of Σ|terms|).
 //
 // usage: moe_prefill iq3s|nvfp4|q8_0 rows experts k hidden inter interleaved seed
-//        max_blocks gate_up_blocks down_blocks smem
+//        max_blocks gate_up_blocks down_blocks input_buffers smem
 #include "emu.hpp"
 #include "kernels.inc"
 #include "random_blocks.hpp"
@@ -59,10 +59,10 @@ static bool units_match_groups(const unsigned char* m, u64 row_bytes, int rows, 
 }
 
 int main(int argc, char** argv) {
-    if (argc < 13) {
+    if (argc < 14) {
         std::fprintf(stderr,
                      "usage: %s iq3s|nvfp4 rows experts k hidden inter interleaved seed max_blocks gu_blocks "
-                     "down_blocks smem\n",
+                     "down_blocks input_buffers smem\n",
                      argv[0]);
         return 2;
     }
@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
     std::mt19937_64 rng(std::stoull(argv[8]));
     const int max_blocks = std::stoi(argv[9]);
     const unsigned gu_blocks = std::stoul(argv[10]), down_blocks = std::stoul(argv[11]);
-    const size_t smem = std::stoul(argv[12]);
+    const int xbufs = std::stoi(argv[12]);
+    const size_t smem = std::stoul(argv[13]);
     std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
     const int gu_fmt = nvfp4 ? QF_NVFP4 : q8_0 ? QF_Q8_0 : QF_IQ3_S;
     const int down_fmt = nvfp4 ? QF_NVFP4 : q8_0 ? QF_Q8_0 : QF_Q2_0;
@@ -134,11 +135,11 @@ int main(int argc, char** argv) {
     std::vector<float> ys((size_t)n * k * hidden, NAN);
     emu::launch({gu_blocks, (unsigned)max_blocks, 1}, {32 * MP_WARPS, 1, 1}, smem, [&] {
         moe_prefill_gate_up(table.data(), 6, block_expert.data(), sorted.data(), k, xb.data(), act.data(), gu_fmt,
-                            hidden, inter, gu_row, interleaved);
+                            hidden, inter, gu_row, interleaved, xbufs);
     });
     emu::launch({down_blocks, (unsigned)max_blocks, 1}, {32 * MP_WARPS, 1, 1}, smem, [&] {
         moe_prefill_down(table.data(), 6, block_expert.data(), sorted.data(), act.data(), ys.data(), down_fmt, hidden,
-                         inter, down_row);
+                         inter, down_row, xbufs);
     });
 
     // The sorting.

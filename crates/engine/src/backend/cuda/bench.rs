@@ -768,6 +768,7 @@ pub fn run_synthetic(opts: &SyntheticBenchOptions) -> Result<Value> {
             "gpu": info.name,
             "compute_capability": format!("sm_{}{}", info.compute_capability.0, info.compute_capability.1),
             "multiprocessors": info.multiprocessors,
+            "smem_per_multiprocessor": info.smem_per_multiprocessor,
             "gpu_memory_bytes": info.total_memory,
             "driver_cuda": format!("{}.{}", info.driver_version.0, info.driver_version.1),
             "nvrtc": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),

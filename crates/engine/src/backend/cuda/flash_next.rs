@@ -161,9 +161,34 @@ pub struct MoePrefillPlan {
     /// `moe_prefill_down` (`MP_ROWS` output rows each).
     pub gate_up_blocks: usize,
     pub down_blocks: usize,
-    /// Dynamic shared memory of either (weights of a k-step, inputs of two, the block's
-    /// entries: `MP_SMEM_BYTES`, past the 48 KiB default, so the kernels opt in at load).
+    /// Input buffers of either (`xbufs`): [`moe_prefill_input_buffers`].
+    pub input_buffers: usize,
+    /// Dynamic shared memory of either (weights of a k-step, inputs of `input_buffers`, the
+    /// block's entries: `MP_SMEM_BYTES(xbufs)`, past the 48 KiB default, so the kernels opt in
+    /// at load).
     pub smem: usize,
+}
+
+/// Shared memory an SM of sm_86, sm_89 and sm_120 holds (the consumer cards).
+const CONSUMER_SM_SMEM: usize = 100 * 1024;
+
+/// Shared memory the prefill expert kernels take a CTA with `input_buffers` input buffers
+/// (kernels/moe_prefill.cu `MP_SMEM_BYTES`).
+fn moe_prefill_smem(input_buffers: usize) -> usize {
+    (MP_ROWS + input_buffers * MP_BM) * MP_STRIDE * 4 + MP_BM * 4
+}
+
+/// Input buffers the prefill expert kernels take on an SM of `smem_per_sm` bytes of shared
+/// memory: two (the next k-step's inputs in flight during this one's products) where two such
+/// CTAs fit, as on sm_90; else one, so that two CTAs still share the SM (sm_86, sm_89, sm_120,
+/// ~100 KiB), one staging while the other multiplies.
+pub fn moe_prefill_input_buffers(smem_per_sm: usize) -> usize {
+    // The driver reserves 1 KiB of an SM's shared memory for each resident CTA.
+    if 2 * (moe_prefill_smem(2) + 1024) <= smem_per_sm {
+        2
+    } else {
+        1
+    }
 }
 
 pub fn moe_prefill_plan(
@@ -172,13 +197,16 @@ pub fn moe_prefill_plan(
     experts: usize,
     hidden: usize,
     inter: usize,
+    smem_per_sm: usize,
 ) -> MoePrefillPlan {
     let entries = rows * top_k;
+    let input_buffers = moe_prefill_input_buffers(smem_per_sm);
     MoePrefillPlan {
         max_blocks: entries.div_ceil(MP_BM) + experts.min(entries),
         gate_up_blocks: inter.div_ceil(MP_ROWS / 2),
         down_blocks: hidden.div_ceil(MP_ROWS),
-        smem: (MP_ROWS + 2 * MP_BM) * MP_STRIDE * 4 + MP_BM * 4,
+        input_buffers,
+        smem: moe_prefill_smem(input_buffers),
     }
 }
 
@@ -994,7 +1022,12 @@ impl CudaBackend {
     ) -> Option<CudaTensor> {
         let (n, hidden, inter, e_count) = (x.rows, x.cols, kinds.inter, experts.len());
         let (gq, dq) = kinds.quant?;
-        let plan = moe_prefill_plan(n, top_k, e_count, hidden, inter);
+        let smem_per_sm = if self.inner.moe_prefill_one_buffer {
+            CONSUMER_SM_SMEM
+        } else {
+            self.inner.info.smem_per_multiprocessor
+        };
+        let plan = moe_prefill_plan(n, top_k, e_count, hidden, inter, smem_per_sm);
         // A few rows (a short turn, several sequences' decode rows) leave most experts with a
         // handful of entries: the host path's grouped matvecs read those experts once, where a
         // block here would decode all of an expert's weights into tiles mostly of padding.
@@ -1033,11 +1066,11 @@ impl CudaBackend {
         let block = (MP_THREADS as u32, 1, 1);
         launch!(self, "moe_prefill_gate_up", (plan.gate_up_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
             table, stride, block_expert, sorted, top_k as i32, xb.ptr, act.ptr, gq.code,
-            hidden as i32, inter as i32, gq.row_bytes as u64, 0i32);
+            hidden as i32, inter as i32, gq.row_bytes as u64, 0i32, plan.input_buffers as i32);
         let ys = self.alloc(entries * hidden * 4, "MoE expert outputs");
         launch!(self, "moe_prefill_down", (plan.down_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
             table, stride, block_expert, sorted, act.ptr, ys.ptr, dq.code, hidden as i32,
-            inter as i32, dq.row_bytes as u64);
+            inter as i32, dq.row_bytes as u64, plan.input_buffers as i32);
         Some(self.combine_routed(
             ys.ptr,
             (combine_slots, combine_weights),
@@ -1950,6 +1983,7 @@ pub fn run_synthetic_flash_next(
             "gpu": info.name,
             "compute_capability": format!("sm_{}{}", info.compute_capability.0, info.compute_capability.1),
             "multiprocessors": info.multiprocessors,
+            "smem_per_multiprocessor": info.smem_per_multiprocessor,
             "gpu_memory_bytes": info.total_memory,
             "driver_cuda": format!("{}.{}", info.driver_version.0, info.driver_version.1),
             "nvrtc": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
@@ -2012,7 +2046,28 @@ pub fn attention_shapes() -> (AttentionShape, QsaShape) {
 
 #[cfg(test)]
 mod tests {
-    use super::grouped_chunks;
+    use super::{grouped_chunks, moe_prefill_input_buffers, moe_prefill_plan};
+
+    #[test]
+    fn prefill_experts_keep_two_ctas_an_sm_on_every_card() {
+        // sm_90 (228 KiB an SM, 227 KiB a CTA) takes two input buffers; the 100 KiB SMs of
+        // the consumer cards (sm_86, sm_89, sm_120) take one.
+        for (smem_per_sm, buffers) in [(233_472, 2), (167_936, 2), (super::CONSUMER_SM_SMEM, 1)] {
+            assert_eq!(
+                moe_prefill_input_buffers(smem_per_sm),
+                buffers,
+                "{smem_per_sm}"
+            );
+            let plan = moe_prefill_plan(8192, 10, 512, 2560, 640, smem_per_sm);
+            assert_eq!(plan.input_buffers, buffers);
+            assert!(
+                2 * (plan.smem + 1024) <= smem_per_sm,
+                "two CTAs of {} bytes do not fit an SM of {smem_per_sm}",
+                plan.smem
+            );
+        }
+        assert_eq!(moe_prefill_plan(1, 1, 1, 64, 64, 233_472).smem, 55_808);
+    }
 
     #[test]
     fn grouped_chunks_cover_every_expert_once_within_both_limits() {

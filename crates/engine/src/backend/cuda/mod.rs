@@ -427,6 +427,8 @@ pub struct DeviceInfo {
     pub name: String,
     pub compute_capability: (i32, i32),
     pub multiprocessors: i32,
+    /// Shared memory an SM holds, in bytes (228 KiB on sm_90, 100 KiB on sm_86/89/120).
+    pub smem_per_multiprocessor: usize,
     pub total_memory: u64,
     pub driver_version: (i32, i32),
     pub nvrtc_version: (i32, i32),
@@ -505,6 +507,9 @@ struct Inner {
     /// the device (kernels/moe_prefill.cu), unless `CAPY_MOE_PREFILL_DEVICE=0` (then the host
     /// groups the routing for grouped cuBLAS GEMMs over dequantized copies).
     moe_prefill_device: bool,
+    /// `CAPY_MOE_PREFILL_ONE_BUFFER=1`: those kernels planned as for a 100 KiB SM (sm_120,
+    /// one input buffer) whatever the card, to run and time that form on an sm_90 one.
+    moe_prefill_one_buffer: bool,
     /// Each MoE layer's expert table for the device routing, by its first expert's pointer:
     /// the host copy (checked at every use) and the device one.
     expert_tables: Mutex<HashMap<u64, (Vec<u64>, DevBuf)>>,
@@ -1045,6 +1050,11 @@ impl CudaBackend {
         let multiprocessors = ctx
             .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| anyhow::anyhow!("device attribute: {e}"))?;
+        let smem_per_multiprocessor = ctx
+            .attribute(
+                drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+            )
+            .map_err(|e| anyhow::anyhow!("device attribute: {e}"))? as usize;
         if let Some(b) = vram_budget {
             if b > total_memory {
                 bail!("--vram-budget is {b} bytes but {name} has only {total_memory} bytes");
@@ -1118,6 +1128,7 @@ impl CudaBackend {
             name,
             compute_capability: cc,
             multiprocessors,
+            smem_per_multiprocessor,
             total_memory,
             driver_version,
             nvrtc_version,
@@ -1171,6 +1182,8 @@ impl CudaBackend {
                 moe_decode_kernels: enabled_unless_zero("CAPY_MOE_DECODE_KERNELS"),
                 moe_decode_q8: enabled_unless_zero("CAPY_MOE_DECODE_Q8"),
                 moe_prefill_device: enabled_unless_zero("CAPY_MOE_PREFILL_DEVICE"),
+                moe_prefill_one_buffer: std::env::var("CAPY_MOE_PREFILL_ONE_BUFFER")
+                    .is_ok_and(|v| v == "1"),
                 expert_tables: Mutex::new(HashMap::new()),
                 records_kernel: AtomicU64::new(records_kernel_code(if nvfp4r_splitk_enabled() {
                     RecordsKernel::Auto
