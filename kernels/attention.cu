@@ -183,12 +183,20 @@ __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, fl
     m = mm;
 }
 
+// The softmax's exponential: accurate on the exact path; where the probabilities are rounded
+// to BF16 (8 bits), the approximate ex2 (relative error ~2^-21) in 2 instructions instead of
+// expf's ~10, which bound the prefill softmax (it does a few instructions per score read).
+template <bool FAST>
+__device__ __forceinline__ float softmax_exp(float x) {
+    return FAST ? __expf(x) : expf(x);
+}
+
 // Row r of a head (rows_per_head rows each) sees columns 0..first_len + r; `store(t, p)` writes
 // the normalised probability of column t (0 past the mask). Two passes over the row (the max and
 // the sum online, then the values) instead of three: at 30K keys the scores are read from and
 // written to memory, so passes are what this costs. `visible(t)` (for t < len): QSA's token
 // mask (TokenMask, below), else every column.
-template <typename Store, typename Visible>
+template <bool FAST, typename Store, typename Visible>
 __device__ __forceinline__ void causal_softmax_row(const float* row, int cols, int len, Store store, Visible visible) {
     __shared__ float sm_m[32], sm_s[32];
     float m = -INFINITY, s = 0.0f;
@@ -196,10 +204,10 @@ __device__ __forceinline__ void causal_softmax_row(const float* row, int cols, i
         if (!visible(t)) continue;
         const float x = row[t];
         if (x > m) {
-            s = (m == -INFINITY ? 0.0f : s * expf(m - x)) + 1.0f;
+            s = (m == -INFINITY ? 0.0f : s * softmax_exp<FAST>(m - x)) + 1.0f;
             m = x;
         } else {
-            s += expf(x - m);
+            s += softmax_exp<FAST>(x - m);
         }
     }
 #pragma unroll
@@ -221,7 +229,7 @@ __device__ __forceinline__ void causal_softmax_row(const float* row, int cols, i
     }
     const float inv = 1.0f / s;
     for (int t = threadIdx.x; t < cols; t += blockDim.x)
-        store(t, t < len && visible(t) ? expf(row[t] - m) * inv : 0.0f);
+        store(t, t < len && visible(t) ? softmax_exp<FAST>(row[t] - m) * inv : 0.0f);
 }
 
 // QSA prefill through the dense GEMM path: `mask` [rows, mask_words] u32 per query row, bit b
@@ -230,15 +238,19 @@ __device__ __forceinline__ void causal_softmax_row(const float* row, int cols, i
 struct TokenMask {
     const u32* row;
     int ratio;
+    // log2(ratio) where ratio is a power of two (QSA's 4), else -1: a shift, not a division
+    // (~20 instructions), per score.
+    int shift;
     __device__ __forceinline__ bool operator()(int t) const {
         if (!row) return true;
-        const int b = t / ratio;
+        const int b = shift >= 0 ? t >> shift : t / ratio;
         return (row[b >> 5] >> (b & 31)) & 1u;
     }
 };
 
 __device__ __forceinline__ TokenMask token_mask(const u32* mask, int mask_words, int ratio, int row) {
-    return TokenMask{mask ? mask + (u64)row * mask_words : nullptr, ratio};
+    const int shift = ratio > 0 && (ratio & (ratio - 1)) == 0 ? __popc((u32)ratio - 1) : -1;
+    return TokenMask{mask ? mask + (u64)row * mask_words : nullptr, ratio, shift};
 }
 
 // scores [heads · rows_per_head, cols] (already scaled), the rows of each head together,
@@ -249,7 +261,8 @@ extern "C" __global__ void causal_softmax(float* scores, int cols, int first_len
     float* row = scores + (u64)blockIdx.x * cols;
     const int r = (int)(blockIdx.x % rows_per_head);
     const int len = min(cols, first_len + r);
-    causal_softmax_row(row, cols, len, [&](int t, float p) { row[t] = p; }, token_mask(mask, mask_words, ratio, r));
+    causal_softmax_row<false>(row, cols, len, [&](int t, float p) { row[t] = p; },
+                              token_mask(mask, mask_words, ratio, r));
 }
 
 // As `causal_softmax`, writing the probabilities as BF16 into `probs` (the fast path's P·V runs
@@ -260,6 +273,6 @@ extern "C" __global__ void causal_softmax_bf16(const float* scores, u16* probs, 
     u16* out = probs + (u64)blockIdx.x * cols;
     const int r = (int)(blockIdx.x % rows_per_head);
     const int len = min(cols, first_len + r);
-    causal_softmax_row(row, cols, len, [&](int t, float p) { out[t] = f32_to_bf16(p); },
+    causal_softmax_row<true>(row, cols, len, [&](int t, float p) { out[t] = f32_to_bf16(p); },
                        token_mask(mask, mask_words, ratio, r));
 }

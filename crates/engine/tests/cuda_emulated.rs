@@ -406,12 +406,19 @@ fn qsa_selects_the_stable_top_blocks_then_the_tail() {
     let Some(exe) = qsa_select_driver() else {
         return;
     };
-    for (rows, past, topk, ratio) in [(4, 8190, 512, 4), (6, 2048, 512, 4), (3, 3000, 7, 2)] {
+    // The block scores at Flash-Next's indexer (4 heads of 128), several query tiles with a
+    // partial one, and a head size off the staging's 32.
+    for (rows, past, topk, ratio, heads, d) in [
+        (4, 8190, 512, 4, 4, 128),
+        (6, 2048, 512, 4, 4, 32),
+        (3, 3000, 7, 2, 3, 20),
+        (70, 300, 16, 4, 2, 40),
+    ] {
         run_driver(
             exe,
-            &[rows, past, topk, ratio, 3],
-            1,
-            &format!("the emulated QSA selection ({rows} queries after {past}, top {topk} blocks of {ratio})"),
+            &[rows, past, topk, ratio, 3, heads, d],
+            2,
+            &format!("the emulated QSA selection and block scores ({rows} queries after {past}, top {topk} blocks of {ratio}, {heads} heads of {d})"),
         );
     }
 }
@@ -490,11 +497,13 @@ fn qsa_token_masks_restrict_the_softmax_to_the_listed_tokens() {
     let Some(exe) = qsa_mask_driver() else {
         return;
     };
-    // (rows, past, ratio, topk): rows within and past the budget, a mask wider than one word.
+    // (rows, past, ratio, topk): rows within and past the budget, a mask wider than one word;
+    // ratios that are powers of two (the mask's block found by a shift) and one that is not.
     for (rows, past, ratio, topk) in [
         (20usize, 30usize, 4usize, 3usize),
         (33, 600, 4, 40),
         (5, 1, 2, 1),
+        (9, 200, 3, 12),
     ] {
         run_driver(
             exe,

@@ -3,22 +3,27 @@
 // order, ties to the lower block as the CPU's stable sort, then the tail of the incomplete
 // block) against a reference written from that definition. Scores take few distinct values,
 // so ties straddle the threshold, and include -0.0 and +0.0 (ordered as f32::total_cmp).
+// Then `qsa_block_scores` (the scores qsa_select ranks): every complete block's score against
+// a double reference (within f32 rounding of Σ|terms|), every other entry left as it was.
 //
-// usage: qsa_select rows past topk ratio seed
+// usage: qsa_select rows past topk ratio seed heads d
 #include "emu.hpp"
 #include "kernels.inc"
 
 #include <numeric>
 #include <random>
 #include <string>
+#include <vector>
+#include <cmath>
+#include <algorithm>
 
 int main(int argc, char** argv) {
-    if (argc < 6) {
-        std::fprintf(stderr, "usage: %s rows past topk ratio seed\n", argv[0]);
+    if (argc < 8) {
+        std::fprintf(stderr, "usage: %s rows past topk ratio seed heads d\n", argv[0]);
         return 2;
     }
     const int rows = std::stoi(argv[1]), past = std::stoi(argv[2]), topk = std::stoi(argv[3]);
-    const int ratio = std::stoi(argv[4]);
+    const int ratio = std::stoi(argv[4]), heads = std::stoi(argv[6]), d = std::stoi(argv[7]);
     std::mt19937_64 rng(std::stoull(argv[5]));
     const int last = past + rows - 1;
     const int stride = (last + 1) / ratio + 1, cap = last + 1;
@@ -60,5 +65,46 @@ int main(int argc, char** argv) {
     }
     std::printf("qsa_select: %d of %d token lists differ from the reference: %s\n", wrong_rows, rows,
                 wrong_rows == 0 ? "ok" : "DIFFERENT");
-    return wrong_rows == 0 ? 0 : 1;
+
+    // The block scores, launched as flash_next.rs `qsa_select_chunk` does.
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int blocks = (last + 1) / ratio;
+    std::vector<float> q((size_t)rows * heads * d), keys((size_t)blocks * d);
+    for (auto& x : q) x = u(rng);
+    for (auto& x : keys) x = u(rng);
+    const float untouched = -12345.0f;
+    std::vector<float> got((size_t)rows * stride, untouched);
+    emu::launch({(unsigned)((stride + QSA_TB - 1) / QSA_TB), (unsigned)((rows + QSA_TQ - 1) / QSA_TQ), 1},
+                {128, 1, 1}, 0,
+                [&] { qsa_block_scores(q.data(), keys.data(), got.data(), rows, past, heads, d, ratio, stride); });
+    double worst = 0.0;
+    int bad = 0;
+    for (int i = 0; i < rows; i++) {
+        const int complete = std::min((past + i + 1) / ratio, stride);
+        for (int b = 0; b < stride; b++) {
+            const float g = got[(size_t)i * stride + b];
+            if (b >= complete) {
+                bad += g != untouched;
+                continue;
+            }
+            double want = 0.0, mag = 0.0;
+            for (int h = 0; h < heads; h++) {
+                double dot = 0.0;
+                for (int e = 0; e < d; e++) {
+                    const double t = (double)q[((size_t)i * heads + h) * d + e] * keys[(size_t)b * d + e];
+                    dot += t;
+                    mag += std::fabs(t);
+                }
+                want += std::max(dot, 0.0);
+            }
+            want /= std::sqrt((double)d);
+            mag /= std::sqrt((double)d);
+            const double err = std::fabs(g - want);
+            worst = std::max(worst, err / std::max(mag, 1e-30));
+            bad += err > 1e-5 * mag + 1e-30;
+        }
+    }
+    std::printf("qsa_block_scores (%d queries, %d blocks, %d heads of %d): worst error %.2e of Σ|terms|, %d wrong: %s\n",
+                rows, blocks, heads, d, worst, bad, bad == 0 ? "ok" : "DIFFERENT");
+    return wrong_rows == 0 && bad == 0 ? 0 : 1;
 }

@@ -210,6 +210,10 @@ pub fn moe_prefill_plan(
     }
 }
 
+/// Queries and key blocks a `qsa_block_scores` CTA scores (kernels/qsa.cu `QSA_TQ`, `QSA_TB`).
+const QSA_SCORE_QUERIES: usize = 32;
+const QSA_SCORE_BLOCKS: usize = 64;
+
 /// QSA splits each query's token list into parts of this many tokens (as the dense decode
 /// kernel splits the KV length).
 const QSA_SPLIT: usize = 128;
@@ -621,9 +625,15 @@ impl CudaBackend {
         scratch: &QsaScratch,
     ) {
         let p0 = past + r0;
-        launch!(self, "qsa_block_scores", (ceil_div(scratch.stride, 8) as u32, rows as u32, 1), (256, 1, 1), 0;
-            index_q.row_ptr(r0), block_keys.ptr(), scratch.scores.ptr, p0 as i32, qsa.index_heads as i32,
-            qsa.index_head_dim as i32, qsa.compress_ratio as i32, scratch.stride as i32);
+        let grid = (
+            ceil_div(scratch.stride, QSA_SCORE_BLOCKS) as u32,
+            ceil_div(rows, QSA_SCORE_QUERIES) as u32,
+            1,
+        );
+        launch!(self, "qsa_block_scores", grid, (128, 1, 1), 0;
+            index_q.row_ptr(r0), block_keys.ptr(), scratch.scores.ptr, rows as i32, p0 as i32,
+            qsa.index_heads as i32, qsa.index_head_dim as i32, qsa.compress_ratio as i32,
+            scratch.stride as i32);
         launch!(self, "qsa_select", (rows as u32, 1, 1), (256, 1, 1), 0;
             scratch.scores.ptr, scratch.tokens.ptr, scratch.counts.ptr, p0 as i32, qsa.block_topk as i32,
             qsa.compress_ratio as i32, scratch.stride as i32, scratch.cap as i32);
