@@ -484,7 +484,7 @@ fn prefill_elementwise_kernels_match_their_scalar_forms() {
         run_driver(
             exe,
             &[n, rows, cols, 3],
-            10,
+            13,
             &format!("the emulated BF16 conversions (n={n}, {rows}x{cols})"),
         );
     }

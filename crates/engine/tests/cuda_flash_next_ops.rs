@@ -96,8 +96,14 @@ fn hyper_connection_and_ple_ops_match_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(7);
-    // Real Flash-Next widths (4 streams × 2560) and an odd one (3 × 100).
-    for (n, h, s) in [(5usize, 2560usize, 4usize), (9, 100, 3), (1, 2560, 4)] {
+    // Real Flash-Next widths (4 streams × 2560), an odd one (3 × 100), and one the mixers take
+    // a value at a time (h not a multiple of 4).
+    for (n, h, s) in [
+        (5usize, 2560usize, 4usize),
+        (9, 100, 3),
+        (1, 2560, 4),
+        (3, 99, 2),
+    ] {
         let wide = s * h;
         let (xc, xg) = pair(&g, n, wide, &r.vec(n * wide, 2.0));
         let (sc, sg) = pair(&g, 1, wide, &r.vec(wide, 1.5));

@@ -636,15 +636,17 @@ fn causal_conv_matches_cpu_and_carries_state() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::new();
     let mut r = Rng(8);
-    for (channels, taps) in [(10240, 4), (40, 4), (33, 2)] {
+    // Flash-Next's channels; taps past the kernel's register window (CONV_MAX_TAPS = 8).
+    for (channels, taps) in [(10240, 4), (40, 4), (33, 2), (12, 10)] {
         let w = r.vec(channels * taps, 0.5);
         let t = host_matrix("conv", channels, taps, &w, DType::BF16);
         let (wc, wg) = (c.matrix(&t).unwrap(), g.matrix(&t).unwrap());
         let init = r.vec((taps - 1) * channels, 1.0);
         let (mut sc, mut sg) = pair(&g, taps - 1, channels, &init);
         // A prefill chunk, then single decode steps: state must carry across calls.
-        // Up to MATVEC_MAX_ROWS (8) tokens take the fused decode kernel, more the two-pass one.
-        for n in [10, 1, 1, 3, 8, 9, 1] {
+        // Up to MATVEC_MAX_ROWS (8) tokens take the fused decode kernel, more the two-pass one
+        // (runs of CONV_RUN = 16 tokens a thread: 40 is two and a part).
+        for n in [10, 1, 1, 3, 8, 9, 1, 40] {
             let x = r.vec(n * channels, 1.0);
             let (xc, xg) = pair(&g, n, channels, &x);
             let oc = c.causal_conv1d_silu(&xc, &mut sc, &wc);

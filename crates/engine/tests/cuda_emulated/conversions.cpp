@@ -6,7 +6,8 @@
 // `moe_swiglu_halves`, `moe_swiglu_pairs`) followed by the same rounding, bit for bit; and
 // `split_cols4` and `silu_mul_halves` (four values a thread where widths and pointers allow)
 // against a plain copy and the scalar SwiGLU, for widths that take the four-value path and
-// widths that do not.
+// widths that do not; `causal_conv1d_silu` (a channel's run of tokens a thread) against its
+// sums written output by output.
 //
 // usage: conversions n rows cols seed
 #include "emu.hpp"
@@ -132,6 +133,38 @@ int main(int argc, char** argv) {
                 differ += std::memcmp(&want, &out[(size_t)r * half + c], 4) != 0;
             }
         ok &= check(half % 4 == 0 ? "silu_mul_halves four a thread" : "silu_mul_halves one a thread", differ, n);
+    }
+
+    // causal_conv1d_silu over `rows` tokens (runs of CONV_RUN a thread, the last partial) of
+    // `cols` channels, taps in the register window and past it, against the same sums written
+    // output by output (bit for bit: the same products in the same order).
+    for (const int taps : {4, 2, CONV_MAX_TAPS + 2}) {
+        const int tokens = rows * 7, channels = cols;
+        std::vector<float> xs((size_t)tokens * channels), state((size_t)(taps - 1) * channels);
+        std::vector<float> w((size_t)channels * taps), out((size_t)tokens * channels, -7.0f);
+        for (auto& v : xs) v = u(rng);
+        for (auto& v : state) v = u(rng);
+        for (auto& v : w) v = u(rng);
+        emu::launch({(unsigned)((channels + 255) / 256), (unsigned)((tokens + CONV_RUN - 1) / CONV_RUN), 1},
+                    {256, 1, 1}, 0, [&] {
+                        causal_conv1d_silu(xs.data(), state.data(), w.data(), DT_F32, out.data(), tokens, channels,
+                                           taps);
+                    });
+        differ = 0;
+        for (int t = 0; t < tokens; t++)
+            for (int c = 0; c < channels; c++) {
+                float acc = 0.0f;
+                for (int j = 0; j < taps - 1; j++) {
+                    const int at = t - (taps - 1) + j;
+                    const float in = at >= 0 ? xs[(size_t)at * channels + c] : state[(size_t)(taps - 1 + at) * channels + c];
+                    acc += w[(size_t)c * taps + j] * in;
+                }
+                acc += w[(size_t)c * taps + taps - 1] * xs[(size_t)t * channels + c];
+                const float want = silu_f(acc);
+                differ += std::memcmp(&want, &out[(size_t)t * channels + c], 4) != 0;
+            }
+        const std::string what = "causal_conv1d_silu " + std::to_string(tokens) + " tokens, " + std::to_string(taps) + " taps";
+        ok &= check(what.c_str(), differ, (size_t)tokens * channels);
     }
     return ok ? 0 : 1;
 }

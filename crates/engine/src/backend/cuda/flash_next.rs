@@ -19,8 +19,8 @@
 //!   as one `[n, heads·dim]` activation (only the rows the tokens hash to); the gate runs here.
 
 use super::{
-    blas_sys, ceil_div, grid_1d, CudaBackend, CudaMatrix, CudaTensor, DevBuf, GroupedProblem,
-    QuantLayout, WeightType,
+    blas_sys, ceil_div, grid_1d, grid_quads, CudaBackend, CudaMatrix, CudaTensor, DevBuf,
+    GroupedProblem, QuantLayout, WeightType,
 };
 use crate::backend::cpu::experts::RowFormat;
 use crate::backend::{cpu, AttentionShape, Backend, ExpertMatrices, MoeRouting, QsaShape};
@@ -482,7 +482,8 @@ impl CudaBackend {
         let out = self.alloc_act(normed.rows, h, normed.rows);
         let n = normed.rows * h;
         if n > 0 {
-            launch!(self, "hc_mix", grid_1d(n), (256, 1, 1), 0;
+            let grid = grid_quads(n, h, &[normed.ptr(), mix.ptr(), out.ptr()]);
+            launch!(self, "hc_mix", grid, (256, 1, 1), 0;
                 normed.ptr(), mix.ptr(), out.ptr(), normed.rows as u64, h as i32, streams as i32);
         }
         out
@@ -532,7 +533,8 @@ impl CudaBackend {
         let res = self.alloc_act(residual.rows, residual.cols, residual.rows);
         let n = residual.len();
         if n > 0 {
-            launch!(self, "hc_inject", grid_1d(n), (256, 1, 1), 0;
+            let grid = grid_quads(n, h, &[residual.ptr(), out.ptr(), res.ptr()]);
+            launch!(self, "hc_inject", grid, (256, 1, 1), 0;
                 residual.ptr(), out.ptr(), logits.ptr(), res.ptr(), residual.rows as u64,
                 h as i32, streams as i32, logits.cols as i32, first_col as i32);
         }

@@ -948,6 +948,17 @@ fn grid_1d(n: usize) -> (u32, u32, u32) {
     (ceil_div(n, 256).clamp(1, 65535 * 4) as u32, 1, 1)
 }
 
+/// Tokens a `causal_conv1d_silu` thread takes in turn (kernels/elementwise.cu `CONV_RUN`).
+const CONV_RUN: usize = 16;
+
+/// The grid of an elementwise kernel over `n` values that moves four a thread where its rows'
+/// `width` is a multiple of 4 and every pointer is 16-byte aligned (the kernels check the
+/// same), else one.
+fn grid_quads(n: usize, width: usize, ptrs: &[u64]) -> (u32, u32, u32) {
+    let quads = width.is_multiple_of(4) && ptrs.iter().all(|p| p.is_multiple_of(16));
+    grid_1d(if quads { n / 4 } else { n })
+}
+
 /// Random valid blocks of `format` for a `[rows, cols]` matrix (generated in parallel from
 /// `seed`) and the multiplier that scales them to an RMS of 0.01, like the synthetic BF16
 /// weights (measured on the first row): the weights of synthetic quantized benchmarks.
@@ -3427,7 +3438,12 @@ impl Backend for CudaBackend {
                 x.ptr(), state.ptr(), weight.buf.ptr, weight.dense_dtype("causal conv") as i32, out.ptr(), x.rows as i32,
                 channels as i32, taps as i32);
         } else if x.rows > 0 && channels > 0 {
-            launch!(self, "causal_conv1d_silu", grid_1d(x.rows * channels), (256, 1, 1), 0;
+            let grid = (
+                ceil_div(channels, 256) as u32,
+                ceil_div(x.rows, CONV_RUN) as u32,
+                1,
+            );
+            launch!(self, "causal_conv1d_silu", grid, (256, 1, 1), 0;
                 x.ptr(), state.ptr(), weight.buf.ptr, weight.dense_dtype("causal conv") as i32, out.ptr(), x.rows as i32,
                 channels as i32, taps as i32);
             if taps > 1 {
