@@ -60,6 +60,8 @@ for profile in $NCU_DECODE; do
   name=${profile%%:*} rest=${profile#*:}
   ncu_decode_profile "$name" --synthetic "${rest%%:*}" --quant "${rest#*:}"
 done
+# NCU_PREFILL=NAME: one whole Flash-Next IQ3_S prefill's kernels under ncu into $OUT/NAME.json.
+[ -z "$NCU_PREFILL" ] || ncu_prefill_profile "$NCU_PREFILL" --synthetic qwen3.8-flash-next --quant iq3_s
 # shellcheck disable=SC2086 # NCU_ARGS is a list of arguments
 [ -z "$NCU_KERNELS" ] || ncu_detail "$NCU_KERNELS" "${NCU_LAUNCHES:-8}" $NCU_ARGS
 finish
