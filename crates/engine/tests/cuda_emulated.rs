@@ -319,7 +319,7 @@ fn the_emulator_rewrites_every_shared_declaration() {
 }
 
 #[test]
-fn the_fused_wide_norm_equals_norm_then_scale_bit_for_bit() {
+fn the_fused_wide_norm_and_the_warp_norm_equal_their_plain_forms_bit_for_bit() {
     // Flash-Next's hyper-connection norms: 4 streams of 2560, one row (decode) and three
     // (prefill); and a group above the register path's 8192 values (the looping path).
     let Some(exe) = norm_driver() else {
@@ -329,7 +329,7 @@ fn the_fused_wide_norm_equals_norm_then_scale_bit_for_bit() {
         run_driver(
             exe,
             &[rows, streams, group, norm_threads(group), 5],
-            3,
+            4,
             &format!("the emulated wide norm ({rows} rows, {streams} streams of {group})"),
         );
     }

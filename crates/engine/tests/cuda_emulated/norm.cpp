@@ -1,14 +1,17 @@
 // kernels/norm.cu on the CPU emulator (emu.hpp): `rms_norm_wide` (the hyper-connection norms)
 // against the two launches it replaces, `rms_norm` with a zero weight then `scale_cols`
 // (kernels/hyper.cu), bit for bit, and against a double reference; its int8 copy (the q8r
-// layout of common.cuh `store_q8r`) against its own output.
+// layout of common.cuh `store_q8r`) against its own output; `rms_norm_warps` against
+// `rms_norm` bit for bit.
 //
 // usage: norm rows streams group threads seed
 #include "emu.hpp"
 #include "kernels.inc"
 
+#include <cstring>
 #include <random>
 #include <string>
+#include <vector>
 
 int main(int argc, char** argv) {
     if (argc < 6) {
@@ -65,6 +68,35 @@ int main(int argc, char** argv) {
     std::printf("rms_norm_wide against the double reference: max relative error %.3g: %s\n", err,
                 err <= 1e-5 ? "ok" : "TOO LARGE");
     ok &= err <= 1e-5;
+
+    // rms_norm_warps (a warp a group, NORM_WARPS a block) against rms_norm's one-warp blocks,
+    // bit for bit: groups of 128 (the GDN output norm), a partial warp's worth, 256 (a head of
+    // 256) and 32; gated and not, one_plus and not; a group count off a whole block.
+    {
+        size_t differ = 0, total = 0;
+        for (const int gs : {128, 100, 256, 32})
+            for (int variant = 0; variant < 4; variant++) {
+                const int count = 37;
+                const bool gated = variant & 1;
+                const int plus = variant >> 1;
+                const size_t len = (size_t)count * gs;
+                std::vector<float> xv(len), gv(len), wv(gs), a(len, -7.0f), b(len, -7.0f);
+                for (auto& f : xv) f = u(rng);
+                for (auto& f : gv) f = u(rng);
+                for (auto& f : wv) f = w(rng);
+                const float* gp = gated ? gv.data() : nullptr;
+                emu::launch({(unsigned)count, 1, 1}, {32, 1, 1}, 0, [&] {
+                    rms_norm(xv.data(), wv.data(), gp, a.data(), gs, eps, plus, nullptr, nullptr);
+                });
+                emu::launch({(unsigned)((count + NORM_WARPS - 1) / NORM_WARPS), 1, 1}, {32 * NORM_WARPS, 1, 1}, 0,
+                            [&] { rms_norm_warps(xv.data(), wv.data(), gp, b.data(), gs, (u64)count, eps, plus); });
+                for (size_t i = 0; i < len; i++) differ += std::memcmp(&a[i], &b[i], 4) != 0;
+                total += len;
+            }
+        std::printf("rms_norm_warps against rms_norm: %zu of %zu values differ: %s\n", differ, total,
+                    differ == 0 ? "ok" : "DIFFERENT");
+        ok &= differ == 0;
+    }
 
     // q8r: value 32c + j at xq[16c + j] (j < 16) or xq[n/2 + 16c + j - 16], step xs[c].
     if (!q8) {

@@ -163,6 +163,7 @@ pub fn sources() -> Vec<KernelSource> {
             include_str!("../../../../../kernels/norm.cu"),
             [
                 "rms_norm",
+                "rms_norm_warps",
                 "add_rms_norm",
                 "add_rms_norm_split",
                 "rms_norm_rope",

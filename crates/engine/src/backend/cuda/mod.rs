@@ -899,6 +899,9 @@ pub fn norm_threads(group: usize) -> usize {
     ceil_div(ceil_div(group, NORM_VALS), 32).clamp(1, 32) * 32
 }
 
+/// Groups an `rms_norm_warps` block takes, a warp each (kernels/norm.cu `NORM_WARPS`).
+const NORM_WARPS: usize = 8;
+
 /// Threads of an `add_rms_norm_split` block and the values each holds (kernels/norm.cu
 /// `NORM_SPLIT_VALS`): 512 values a block, ten blocks for a 5120-value row.
 const NORM_SPLIT_THREADS: usize = 128;
@@ -1591,6 +1594,32 @@ impl CudaBackend {
     }
 
     /// Uploads `data` into a fresh buffer (small per-call tables: ids, positions).
+    /// `rms_norm` of `groups` groups of x into out (gated by silu(gate) unless `gate` is 0):
+    /// a warp a group where the groups are small and no int8 copy is wanted
+    /// (`rms_norm_warps`), else a block a group.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaVector,
+        gate: u64,
+        out: &CudaTensor,
+        group: usize,
+        groups: usize,
+        eps: f32,
+        one_plus: i32,
+    ) {
+        let threads = norm_threads(group);
+        let (xq, xs) = out.q8_args();
+        if threads == 32 && xq == 0 && groups > 1 {
+            launch!(self, "rms_norm_warps", (ceil_div(groups, NORM_WARPS) as u32, 1, 1), (32 * NORM_WARPS as u32, 1, 1), 0;
+                x.ptr(), w.buf.ptr, gate, out.ptr(), group as i32, groups as u64, eps, one_plus);
+        } else {
+            launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
+                x.ptr(), w.buf.ptr, gate, out.ptr(), group as i32, eps, one_plus, xq, xs);
+        }
+    }
+
     /// A forward pass of `tokens` rows starts: decode-sized steps are recorded as graphs.
     fn begin_forward(&self, tokens: usize) {
         self.bind();
@@ -2972,16 +3001,13 @@ impl Backend for CudaBackend {
         );
         let out = self.norm_out(x, group);
         let groups = x.len() / group;
-        let (xq, xs) = out.q8_args();
         let one_plus = (scale == NormScale::OnePlus) as i32;
         match norm_split_plan(group) {
             Some((blocks, threads)) if groups == 1 && self.norm_split() => {
                 self.launch_norm_split(x.ptr(), 0, w, &out, group, eps, one_plus, (blocks, threads))
             }
             _ if groups > 0 => {
-                let threads = norm_threads(group);
-                launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                    x.ptr(), w.buf.ptr, 0u64, out.ptr(), group as i32, eps, one_plus, xq, xs);
+                self.launch_rms_norm(x, w, 0, &out, group, groups, eps, one_plus);
             }
             _ => {}
         }
@@ -3012,10 +3038,7 @@ impl Backend for CudaBackend {
         let out = self.norm_out(x, group);
         let groups = x.len() / group;
         if groups > 0 {
-            let threads = norm_threads(group);
-            let (xq, xs) = out.q8_args();
-            launch!(self, "rms_norm", (groups as u32, 1, 1), (threads as u32, 1, 1), 0;
-                x.ptr(), w.buf.ptr, gate.ptr(), out.ptr(), group as i32, eps, 0i32, xq, xs);
+            self.launch_rms_norm(x, w, gate.ptr(), &out, group, groups, eps, 0);
         }
         out
     }
