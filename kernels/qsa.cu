@@ -27,6 +27,28 @@ extern "C" __global__ void mean_pool_rows(const float* x, float* out, u64 blocks
     }
 }
 
+// grid (ceil(stride / 8), n), 8 warps: a warp a (query, block), for a few queries (decode),
+// where qsa_block_scores' tiles would be mostly padding. index_q [n, heads·d], keys [blocks, d],
+// scores [n, stride], as qsa_block_scores.
+extern "C" __global__ void qsa_block_scores_rows(const float* index_q, const float* keys, float* scores, int past,
+                                                 int heads, int d, int ratio, int stride) { KERNEL_START();
+    const int lane = threadIdx.x & 31;
+    const int b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int i = blockIdx.y;
+    const int complete = (past + i + 1) / ratio;
+    if (b >= complete || b >= stride) return;
+    const float* q = index_q + (u64)i * heads * d;
+    const float* k = keys + (u64)b * d;
+    float sum = 0.0f;
+    for (int h = 0; h < heads; h++) {
+        float dot = 0.0f;
+        for (int e = lane; e < d; e += 32) dot += q[h * d + e] * k[e];
+        dot = warp_sum(dot);
+        sum += fmaxf(dot, 0.0f);
+    }
+    if (lane == 0) scores[(u64)i * stride + b] = sum * (1.0f / sqrtf((float)d));
+}
+
 // Tile of qsa_block_scores: QSA_TQ queries × QSA_TB key blocks a CTA of 128 threads, each
 // thread 4 × 4 of them; the queries' and keys' dimensions staged QSA_TD at a time.
 #define QSA_TQ 32

@@ -4,7 +4,7 @@
 # ("model:format:VAR=value[,VAR2=value2] …") the default bench
 # and the bench under VAR=value, as <model>-<format>.json and <model>-<format>-<VAR>.json in $OUT/logs.tgz
 # (each case's default run once); BASE_FN=1 adds Flash-Next IQ3_S from the .gpu-base binary
-# (qwen3.8-flash-next-iq3_s-base.json); NCU_KERNELS (a regex) the ncu sections of those
+# (qwen3.8-flash-next-iq3_s-base.json), BASE_CASES others; NCU_KERNELS (a regex) the ncu sections of those
 # 27B NVFP4 decode kernels (or of `bench gpu $NCU_ARGS`) into $OUT/ncu-detail.txt; NCU_DECODE ("name:model:format …") one
 # decode step's kernels of each under ncu into $OUT/<name>.json. HYBRID_CASES
 # ("format:VAR=value …") the hybrid bench at a 15 GiB budget, default and under VAR=value, as
@@ -34,10 +34,17 @@ for case in $CASES; do
   ( IFS=, read -ra settings <<< "$setting"; export "${settings[@]}"
     bench "$model-$format-${setting%%=*}" .gpu/capy-flash "$model" "$format" )
 done
-if [ -n "$BASE_FN" ]; then
+if [ -n "$BASE_FN$BASE_CASES" ]; then
   xz -dc .gpu-base/capy-flash.xz > /tmp/capy-base && chmod +x /tmp/capy-base
-  bench qwen3.8-flash-next-iq3_s-base /tmp/capy-base qwen3.8-flash-next iq3_s
 fi
+[ -z "$BASE_FN" ] || bench qwen3.8-flash-next-iq3_s-base /tmp/capy-base qwen3.8-flash-next iq3_s
+# BASE_CASES ("model:format …"): each from the .gpu binary and the .gpu-base one, as
+# <model>-<format>.json and <model>-<format>-base.json.
+for case in $BASE_CASES; do
+  model=${case%%:*} format=${case#*:}
+  [ -f "$LOGS/$model-$format.json" ] || bench "$model-$format" .gpu/capy-flash "$model" "$format"
+  bench "$model-$format-base" /tmp/capy-base "$model" "$format"
+done
 hybrid() { # out-name format
   step "$1" 170 .gpu/capy-flash bench --out "$LOGS/$1.json" hybrid --format "$2" \
     --vram-budget 15GiB --threads 16 --layers 8 --tokens 64

@@ -417,7 +417,7 @@ fn qsa_selects_the_stable_top_blocks_then_the_tail() {
         run_driver(
             exe,
             &[rows, past, topk, ratio, 3, heads, d],
-            2,
+            3,
             &format!("the emulated QSA selection and block scores ({rows} queries after {past}, top {topk} blocks of {ratio}, {heads} heads of {d})"),
         );
     }

@@ -372,6 +372,7 @@ pub(super) fn kernel_files() -> Vec<(&'static str, &'static str, Vec<String>)> {
             names(&[
                 "mean_pool_rows",
                 "qsa_block_scores",
+                "qsa_block_scores_rows",
                 "qsa_select",
                 "qsa_attn_split",
                 "qsa_token_mask",
@@ -627,15 +628,22 @@ impl CudaBackend {
         scratch: &QsaScratch,
     ) {
         let p0 = past + r0;
-        let grid = (
-            ceil_div(scratch.stride, QSA_SCORE_BLOCKS) as u32,
-            ceil_div(rows, QSA_SCORE_QUERIES) as u32,
-            1,
-        );
-        launch!(self, "qsa_block_scores", grid, (128, 1, 1), 0;
-            index_q.row_ptr(r0), block_keys.ptr(), scratch.scores.ptr, rows as i32, p0 as i32,
-            qsa.index_heads as i32, qsa.index_head_dim as i32, qsa.compress_ratio as i32,
-            scratch.stride as i32);
+        if rows < QSA_SCORE_QUERIES / 4 {
+            // A few queries (decode): a warp a (query, block), not tiles of 32 queries.
+            launch!(self, "qsa_block_scores_rows", (ceil_div(scratch.stride, 8) as u32, rows as u32, 1), (256, 1, 1), 0;
+                index_q.row_ptr(r0), block_keys.ptr(), scratch.scores.ptr, p0 as i32, qsa.index_heads as i32,
+                qsa.index_head_dim as i32, qsa.compress_ratio as i32, scratch.stride as i32);
+        } else {
+            let grid = (
+                ceil_div(scratch.stride, QSA_SCORE_BLOCKS) as u32,
+                ceil_div(rows, QSA_SCORE_QUERIES) as u32,
+                1,
+            );
+            launch!(self, "qsa_block_scores", grid, (128, 1, 1), 0;
+                index_q.row_ptr(r0), block_keys.ptr(), scratch.scores.ptr, rows as i32, p0 as i32,
+                qsa.index_heads as i32, qsa.index_head_dim as i32, qsa.compress_ratio as i32,
+                scratch.stride as i32);
+        }
         launch!(self, "qsa_select", (rows as u32, 1, 1), (256, 1, 1), 0;
             scratch.scores.ptr, scratch.tokens.ptr, scratch.counts.ptr, p0 as i32, qsa.block_topk as i32,
             qsa.compress_ratio as i32, scratch.stride as i32, scratch.cap as i32);
