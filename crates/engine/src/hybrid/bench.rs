@@ -63,6 +63,9 @@ pub struct HybridBenchOptions {
 
 struct RunFigures {
     seconds_per_token: f64,
+    /// Each timed token's seconds (simulated layers), in order: a mean far above the median
+    /// means a few slow tokens (a worker descheduled mid-task holds the whole layer).
+    token_seconds: Vec<f64>,
     stats: ExpertCacheStats,
     admissions_bytes_per_token: f64,
     /// The timed tokens' phases, summed over layers.
@@ -127,8 +130,11 @@ fn run_once<B: Backend>(
         .map(|_| (0..o.layers).map(|l| router.route(l, 1)).collect())
         .collect();
     let t0 = Instant::now();
+    let mut token_seconds = Vec::with_capacity(routes.len());
     for r in &routes {
+        let t = Instant::now();
         step(r);
+        token_seconds.push(t.elapsed().as_secs_f64());
     }
     let seconds = t0.elapsed().as_secs_f64();
     let times_after = times_of(&layers);
@@ -143,9 +149,26 @@ fn run_once<B: Backend>(
     let expert_bytes = sets[0].layout.weight_bytes() as f64;
     Ok(RunFigures {
         seconds_per_token: seconds / o.tokens as f64,
+        token_seconds,
         admissions_bytes_per_token: stats.admissions as f64 * expert_bytes / o.tokens as f64,
         stats,
         times: times_after.since(&times_before),
+    })
+}
+
+/// The spread of a run's per-token times, scaled to the model's layers.
+fn token_time_spread(token_seconds: &[f64], scale: f64) -> Value {
+    let mut sorted: Vec<f64> = token_seconds.iter().map(|s| s * scale).collect();
+    sorted.sort_by(f64::total_cmp);
+    let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
+    let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
+    json!({
+        "p10_s": at(0.1),
+        "median_s": at(0.5),
+        "p90_s": at(0.9),
+        "max_s": at(1.0),
+        "median_moe_tokens_per_s": 1.0 / at(0.5),
+        "mean_over_median_ratio": mean / at(0.5),
     })
 }
 
@@ -253,6 +276,7 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
             "cpu_expert_bytes_per_s": host_per_token * expert_bytes / f.seconds_per_token,
             "cpu_bandwidth_ratio": host_per_token * expert_bytes / f.seconds_per_token / ram_bandwidth,
             "where_the_time_goes": where_the_time_goes(f, o.tokens, scale, host_per_token * expert_bytes / ram_bandwidth * scale),
+            "token_time_spread": token_time_spread(&f.token_seconds, scale),
         })
     };
     eprintln!(
@@ -357,6 +381,22 @@ mod tests {
             + with["gpu_experts_per_token"].as_f64().unwrap();
         assert!((split - 8.0).abs() < 1e-9);
         assert!(with["placement_roofline_ratio"].as_f64().unwrap() > 0.0);
+        for run in [with, cpu] {
+            let spread = &run["token_time_spread"];
+            let q = |k: &str| spread[k].as_f64().unwrap();
+            assert!(q("p10_s") > 0.0 && q("p10_s") <= q("median_s"), "{spread}");
+            assert!(
+                q("median_s") <= q("p90_s") && q("p90_s") <= q("max_s"),
+                "{spread}"
+            );
+            // The mean of the per-token times is the run's time per token.
+            let mean = q("mean_over_median_ratio") * q("median_s");
+            let whole = run["moe_seconds_per_token"].as_f64().unwrap();
+            assert!(
+                mean <= whole * (1.0 + 1e-9) && mean > whole * 0.9,
+                "{mean} {whole}"
+            );
+        }
         // The phases are measured parts of the token's time: none negative, the CPU's share
         // present wherever experts ran on the CPU, and together no more than the whole once
         // the resident queuing done inside the CPU phase is counted once.

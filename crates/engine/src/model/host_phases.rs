@@ -16,9 +16,11 @@ pub struct HostPhases {
 }
 
 impl HostPhases {
-    /// Enabled by `CAPY_PROFILE_HOST=1`.
+    /// Enabled by `CAPY_PROFILE_HOST=1`, read once: every forward pass (decode steps
+    /// included) starts one, and an environment lookup takes a lock.
     pub fn from_env() -> Self {
-        Self::new(std::env::var("CAPY_PROFILE_HOST").as_deref() == Ok("1"))
+        static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        Self::new(*ENABLED.get_or_init(|| std::env::var("CAPY_PROFILE_HOST").as_deref() == Ok("1")))
     }
 
     pub fn new(enabled: bool) -> Self {
