@@ -392,7 +392,8 @@ mod tests {
                 q("median_s") <= q("p90_s") && q("p90_s") <= q("max_s"),
                 "{spread}"
             );
-            // The mean of the per-token times is the run's time per token.
+            // The per-token times are parts of the run's time (the loop's own steps between
+            // tokens are the rest, so their mean is at most the run's time per token).
             let mean = q("mean_over_median_ratio") * q("median_s");
             let roofline = run["placement_roofline_seconds_per_token"]
                 .as_f64()
@@ -403,10 +404,7 @@ mod tests {
                 "{spread}"
             );
             let whole = run["moe_seconds_per_token"].as_f64().unwrap();
-            assert!(
-                mean <= whole * (1.0 + 1e-9) && mean > whole * 0.9,
-                "{mean} {whole}"
-            );
+            assert!(mean > 0.0 && mean <= whole * (1.0 + 1e-9), "{mean} {whole}");
         }
         // The phases are measured parts of the token's time: none negative, the CPU's share
         // present wherever experts ran on the CPU, and together no more than the whole once

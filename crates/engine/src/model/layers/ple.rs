@@ -21,7 +21,8 @@ use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-/// Table rows one rayon task gathers: a decode step's 16 stay on the calling thread.
+/// Table rows one rayon task gathers; a call with fewer than two tasks' rows (a decode step
+/// has 16) gathers on the calling thread, without a hand-off to the pool.
 const GATHER_ROWS_PER_TASK: usize = 512;
 
 const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -334,6 +335,32 @@ impl NgramTable {
     }
 }
 
+impl NgramTable {
+    /// Rows `ids` as f32 into `dst` (`ids.len() × dim` values).
+    pub fn gather(&self, ids: &[u64], dst: &mut [f32]) {
+        assert_eq!(
+            dst.len(),
+            ids.len() * self.dim,
+            "gather: dst holds {} values for {} rows of {}",
+            dst.len(),
+            ids.len(),
+            self.dim
+        );
+        if ids.len() < 2 * GATHER_ROWS_PER_TASK {
+            for (row, id) in dst.chunks_exact_mut(self.dim).zip(ids) {
+                self.row(*id, row);
+            }
+        } else {
+            // A prefill gathers ~131K random rows of the memory-mapped table (8K tokens × 16
+            // heads): ~90 ms on one core of the GPU box, with the GPU idle.
+            dst.par_chunks_mut(self.dim)
+                .zip(ids.par_iter())
+                .with_min_len(GATHER_ROWS_PER_TASK)
+                .for_each(|(row, id)| self.row(*id, row));
+        }
+    }
+}
+
 /// One sequence's PLE state.
 pub struct PleState<B: Backend> {
     /// The last `ngram_size - 1` tokens (eos before the start).
@@ -445,12 +472,7 @@ impl<B: Backend> Ple<B> {
         for (span, st) in spans.iter().zip(states.iter_mut()) {
             let ids = self.hasher.ids(&mut st.context, &tokens[span.rows()]);
             let dst = &mut emb[span.start * heads * dim..(span.start + span.len) * heads * dim];
-            // A prefill gathers ~131K random rows of the memory-mapped table (8K tokens × 16
-            // heads): ~90 ms on one core of the GPU box with the GPU idle. Rows are independent.
-            dst.par_chunks_mut(dim)
-                .zip(ids.par_iter())
-                .with_min_len(GATHER_ROWS_PER_TASK)
-                .for_each(|(row, id)| self.table.row(*id, row));
+            self.table.gather(&ids, dst);
         }
         b.from_host(tokens.len(), heads * dim, &emb)
     }
@@ -514,6 +536,38 @@ fn check_buffer(ck: &Checkpoint, name: &str, want: &[i64]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gather_on_the_pool_equals_row_by_row() {
+        let (rows, dim) = (97u64, 5);
+        let values: Vec<f32> = (0..rows as usize * dim)
+            .map(|i| i as f32 * 0.25 - 3.0)
+            .collect();
+        let split = 40;
+        let parts = [(0, 0..split), (split as u64, split..rows as usize)]
+            .into_iter()
+            .map(|(start, r)| TablePart {
+                start,
+                weight: HostTensor::from_f32(
+                    "part",
+                    vec![r.len(), dim],
+                    &values[r.start * dim..r.end * dim],
+                ),
+                fp8: None,
+            })
+            .collect();
+        let table = NgramTable { parts, rows, dim };
+        // Enough ids for the pool path, and few enough for the caller's.
+        for n in [3 * GATHER_ROWS_PER_TASK + 7, 16] {
+            let ids: Vec<u64> = (0..n as u64).map(|i| i * 7919 % rows).collect();
+            let mut got = vec![0f32; n * dim];
+            table.gather(&ids, &mut got);
+            for (id, row) in ids.iter().zip(got.chunks_exact(dim)) {
+                let at = *id as usize * dim;
+                assert_eq!(row, &values[at..at + dim], "row {id}");
+            }
+        }
+    }
 
     #[test]
     fn primes_are_consecutive_per_layer() {
