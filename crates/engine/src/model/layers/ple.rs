@@ -304,6 +304,30 @@ impl NgramTable {
         self.parts[0].weight.dtype
     }
 
+    /// Rows `ids` as f32 into `dst` (`ids.len() × dim` values).
+    pub fn gather(&self, ids: &[u64], dst: &mut [f32]) {
+        assert_eq!(
+            dst.len(),
+            ids.len() * self.dim,
+            "gather: dst holds {} values for {} rows of {}",
+            dst.len(),
+            ids.len(),
+            self.dim
+        );
+        if ids.len() < 2 * GATHER_ROWS_PER_TASK {
+            for (row, id) in dst.chunks_exact_mut(self.dim).zip(ids) {
+                self.row(*id, row);
+            }
+        } else {
+            // A prefill gathers ~131K random rows of the memory-mapped table (8K tokens × 16
+            // heads): ~90 ms on one core of the GPU box, with the GPU idle.
+            dst.par_chunks_mut(self.dim)
+                .zip(ids.par_iter())
+                .with_min_len(GATHER_ROWS_PER_TASK)
+                .for_each(|(row, id)| self.row(*id, row));
+        }
+    }
+
     /// Copies row `row` as f32 into `out` (`dim` values).
     pub fn row(&self, row: u64, out: &mut [f32]) {
         let i = self.parts.partition_point(|p| p.start <= row) - 1;
@@ -331,32 +355,6 @@ impl NgramTable {
                 DType::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
                 _ => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
             };
-        }
-    }
-}
-
-impl NgramTable {
-    /// Rows `ids` as f32 into `dst` (`ids.len() × dim` values).
-    pub fn gather(&self, ids: &[u64], dst: &mut [f32]) {
-        assert_eq!(
-            dst.len(),
-            ids.len() * self.dim,
-            "gather: dst holds {} values for {} rows of {}",
-            dst.len(),
-            ids.len(),
-            self.dim
-        );
-        if ids.len() < 2 * GATHER_ROWS_PER_TASK {
-            for (row, id) in dst.chunks_exact_mut(self.dim).zip(ids) {
-                self.row(*id, row);
-            }
-        } else {
-            // A prefill gathers ~131K random rows of the memory-mapped table (8K tokens × 16
-            // heads): ~90 ms on one core of the GPU box, with the GPU idle.
-            dst.par_chunks_mut(self.dim)
-                .zip(ids.par_iter())
-                .with_min_len(GATHER_ROWS_PER_TASK)
-                .for_each(|(row, id)| self.row(*id, row));
         }
     }
 }
