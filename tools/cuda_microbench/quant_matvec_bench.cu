@@ -13,12 +13,7 @@
 #include <string>
 
 #include "../../kernels/common.cuh"
-__device__ u32 QT_E4M3[256];
-__device__ u32 QT_E2M1[16];
-__device__ u32 QT_IQ3S[512];
-__device__ u32 QT_IQ3XXS[256];
-__device__ u64 QT_IQ2XS[512];
-__device__ unsigned char QT_KSIGNS[128];
+#include "quant_formats.cuh"
 #include "../../kernels/quant_matvec.cu"
 #include "../../kernels/matvec.cu"
 

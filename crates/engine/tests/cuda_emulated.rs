@@ -195,6 +195,12 @@ driver!(
 );
 
 driver!(
+    iq3s_records_driver,
+    "iq3s_records",
+    ["<quant tables>", "kernels/quant_matvec.cu"]
+);
+
+driver!(
     conversions_driver,
     "conversions",
     ["kernels/elementwise.cu", "kernels/moe.cu"]
@@ -203,19 +209,19 @@ driver!(
 /// Runs `driver` with `args`; fails with its output unless it exits 0 having printed `checks`
 /// lines ending in `ok`.
 fn run_driver(exe: &Path, args: &[usize], checks: usize, what: &str) {
-    run_driver_with(exe, None, args, checks, what);
+    run_driver_with(exe, &[], args, checks, what);
 }
 
-/// [`run_driver`] with a word before the numeric arguments (a format's name).
+/// [`run_driver`] with words before the numeric arguments (a format's name, a kernel's, files).
 fn run_driver_with(
     exe: &Path,
-    word: Option<&str>,
+    words: &[&str],
     args: &[usize],
     checks: usize,
     what: &str,
 ) -> String {
     let out = Command::new(exe)
-        .args(word)
+        .args(words)
         .args(args.iter().map(|a| a.to_string()))
         .output()
         .expect("running the emulated kernels");
@@ -585,7 +591,7 @@ fn decode_q8_experts_match_the_rounded_and_the_exact_reference() {
                 .unwrap_or_else(|| panic!("no {name} down plan for {hidden} x {inter}"));
             run_driver_with(
                 exe,
-                Some(name),
+                &[name],
                 &[
                     groups,
                     hidden,
@@ -636,7 +642,7 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
         buffers_seen.push(plan.input_buffers);
         let text = run_driver_with(
             exe,
-            Some(name),
+            &[name],
             &[
                 rows,
                 experts,
@@ -683,4 +689,67 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
         "the cases should cover experts with several blocks and full, past-half and within-half \
          blocks; they made {fills:?}"
     );
+}
+
+/// The IQ3_S records matvecs (cuda_emulated/iq3s_records.cpp) with 32, 16 and one copy of the
+/// grid table, each variant (plain, as planned, every split-K a shape allows) launched as the
+/// backend plans it (`iq3sr_launch_plan`; 4 SMs, so that the plan splits small matrices), on
+/// records of the engine's own repack, against the same int8 rounding done in double and
+/// against itself on a third of the blocks. Shapes: rows not a multiple of a block's 32 rows
+/// (nor of 2), 1, 2 and 5 records a row.
+#[test]
+fn iq3s_records_matvecs_with_every_grid_copy_count_match_the_rounded_reference() {
+    use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
+    use capy_engine::backend::cuda::iq3s_records::to_records;
+    use capy_engine::backend::cuda::{
+        iq3sr_launch_plan, Iq3sGridCopies, RecordsKernel, IQ3SR_SPLITK,
+    };
+    use capy_engine::quant::GgmlType;
+    let Some(exe) = iq3s_records_driver() else {
+        return;
+    };
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emulation/iq3s_records");
+    for (rows, cols) in [(70, 2048), (37, 5120), (45, 1024)] {
+        let blocks = random_blocks(
+            RowFormat::Ggml(GgmlType::Iq3S),
+            rows * cols / 256,
+            (rows * cols) as u64,
+        );
+        let (blocks_file, records_file) = (
+            dir.join(format!("blocks-{rows}x{cols}")),
+            dir.join(format!("records-{rows}x{cols}")),
+        );
+        std::fs::write(&blocks_file, &blocks).unwrap();
+        std::fs::write(&records_file, to_records(&blocks, cols)).unwrap();
+        let forced = [RecordsKernel::Plain, RecordsKernel::Auto]
+            .into_iter()
+            .chain(
+                IQ3SR_SPLITK
+                    .into_iter()
+                    .filter(|k| cols / 1024 >= k.ks)
+                    .map(RecordsKernel::SplitK),
+            );
+        for kernel in forced {
+            for copies in [
+                Iq3sGridCopies::ThirtyTwo,
+                Iq3sGridCopies::Sixteen,
+                Iq3sGridCopies::One,
+            ] {
+                let (name, launch_blocks, smem) = iq3sr_launch_plan(rows, cols, 4, copies, kernel);
+                run_driver_with(
+                    exe,
+                    &[
+                        name,
+                        blocks_file.to_str().unwrap(),
+                        records_file.to_str().unwrap(),
+                    ],
+                    &[rows, cols, launch_blocks, smem, rows + cols],
+                    2,
+                    &format!(
+                        "the emulated {name} ({rows} x {cols}, {kernel:?}, {copies:?} copies)"
+                    ),
+                );
+            }
+        }
+    }
 }

@@ -1,0 +1,120 @@
+// kernels/quant_matvec.cu's IQ3_S records matvecs (quant_matvec_iq3sr_q8*, every grid-copies
+// suffix) on the CPU emulator (emu.hpp), launched as the engine plans them, on records the
+// engine's own repack wrote (backend/cuda/iq3s_records.rs, from the blocks beside them), x
+// quantized by quantize_x_q8r. Two checks:
+// - against the same int8 rounding of x done here (amax/127 per 32 values, round to nearest
+//   even), integer sums of the blocks' integer weights, scales in double: f32 rounding apart,
+//   equal (≤ 1e-5 of Σ|terms|);
+// - the same kernel on a third of the blocks (each block then takes several row groups,
+//   filling its grid table once): the same bits.
+//
+// usage: iq3s_records KERNEL BLOCKS_FILE RECORDS_FILE rows cols blocks smem seed
+#include "emu.hpp"
+#include "kernels.inc"
+
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+typedef void (*RecordsKernel)(const unsigned char*, const unsigned char*, const float*, float*, int, int, u64, float);
+
+#define IQ3SR_ENTRIES(NAME) {#NAME, NAME}, {#NAME "_grid16", NAME##_grid16}, {#NAME "_one_grid", NAME##_one_grid}
+static const std::map<std::string, RecordsKernel> kernels = {
+    IQ3SR_ENTRIES(quant_matvec_iq3sr_q8_1),      IQ3SR_ENTRIES(quant_matvec_iq3sr_q8_2),
+    IQ3SR_ENTRIES(quant_matvec_iq3sr_q8_2_unroll2), IQ3SR_ENTRIES(quant_matvec_iq3sr_q8k_2_4),
+    IQ3SR_ENTRIES(quant_matvec_iq3sr_q8k_1_2),   IQ3SR_ENTRIES(quant_matvec_iq3sr_q8k_2_8),
+    IQ3SR_ENTRIES(quant_matvec_iq3sr_q8k_1_4),   IQ3SR_ENTRIES(quant_matvec_iq3sr_q8k_1_8),
+};
+
+// `bytes` (rounded up to 16) aligned on 16 bytes, as device allocations are.
+static std::unique_ptr<unsigned char[], void (*)(void*)> aligned16(size_t bytes) {
+    return {(unsigned char*)std::aligned_alloc(16, (bytes + 15) / 16 * 16), std::free};
+}
+
+static std::vector<unsigned char> read_file(const char* path) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) {
+        std::fprintf(stderr, "cannot read %s\n", path);
+        std::exit(2);
+    }
+    return {std::istreambuf_iterator<char>(f), {}};
+}
+
+int main(int argc, char** argv) {
+    if (argc < 9) {
+        std::fprintf(stderr, "usage: %s KERNEL BLOCKS_FILE RECORDS_FILE rows cols blocks smem seed\n", argv[0]);
+        return 2;
+    }
+    const auto k = kernels.find(argv[1]);
+    if (k == kernels.end()) {
+        std::fprintf(stderr, "no kernel %s in the driver's table\n", argv[1]);
+        return 2;
+    }
+    const std::vector<unsigned char> blocks = read_file(argv[2]), records = read_file(argv[3]);
+    const int rows = std::stoi(argv[4]), cols = std::stoi(argv[5]);
+    const unsigned grid = std::stoul(argv[6]);
+    const size_t smem = std::stoul(argv[7]);
+    std::mt19937_64 rng(std::stoull(argv[8]));
+    const size_t row_bytes = (size_t)cols / 256 * 110;
+    if (blocks.size() != row_bytes * rows || records.size() != blocks.size()) {
+        std::fprintf(stderr, "expected %zu bytes of blocks and of records, found %zu and %zu\n", row_bytes * rows,
+                     blocks.size(), records.size());
+        return 2;
+    }
+    // The kernels load records 16 bytes at a time: a 16-byte aligned copy, as on the device.
+    auto w = aligned16(records.size());
+    std::memcpy(w.get(), records.data(), records.size());
+    // x with a zero group of 32 (amax 0) and some large values.
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    std::vector<float> x(cols);
+    for (int i = 0; i < cols; i++) x[i] = uni(rng) * (i % 97 == 0 ? 20.0f : 1.0f);
+    for (int i = 32; i < 64; i++) x[i] = 0.0f;
+    const int groups = cols / 32;
+    auto xq = aligned16(cols);
+    std::vector<float> xs(groups);
+    emu::launch({(unsigned)(groups + 127) / 128, 1, 1}, {128, 1, 1}, 0,
+                [&] { quantize_x_q8r(x.data(), cols, xq.get(), xs.data()); });
+    const float mult = 0.75f;
+    std::vector<float> y(rows, NAN), y_few(rows, NAN);
+    emu::launch({grid, 1, 1}, {256, 1, 1}, smem,
+                [&] { k->second(w.get(), xq.get(), xs.data(), y.data(), cols, rows, (u64)row_bytes, mult); });
+    const unsigned few = std::max(1u, grid / 3);
+    emu::launch({few, 1, 1}, {256, 1, 1}, smem,
+                [&] { k->second(w.get(), xq.get(), xs.data(), y_few.data(), cols, rows, (u64)row_bytes, mult); });
+
+    // The reference: x rounded as quantize_x_q8r rounds it, the blocks' weights as integers.
+    std::vector<int> q(cols);
+    std::vector<double> step(groups);
+    for (int g = 0; g < groups; g++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs(x[32 * g + j]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 32; j++) q[32 * g + j] = (int)std::nearbyint(x[32 * g + j] * inv);
+        step[g] = amax * (1.0f / 127.0f);
+    }
+    double worst = 0;
+    for (int r = 0; r < rows; r++) {
+        double sum = 0, mag = 0;
+        for (int i = 0; i < cols; i++) {
+            const unsigned char* b = blocks.data() + r * row_bytes + (size_t)(i / 256) * 110;
+            const int j = i % 256, entry = j / 4, sub = j / 32;
+            const int index = b[2 + entry] | (((b[66 + entry / 8] >> (entry % 8)) & 1) << 8);
+            const int mag8 = (QT_IQ3S[index] >> (8 * (j % 4))) & 255;
+            const int sign = (b[74 + j / 8] >> (j % 8)) & 1 ? -1 : 1;
+            const int sc = (b[106 + sub / 2] >> (4 * (sub % 2))) & 15;
+            const double d = emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))) * (1.0 + 2.0 * sc);
+            const double t = mult * d * sign * mag8 * q[i] * step[i / 32];
+            sum += t;
+            mag += std::fabs(t);
+        }
+        worst = emu::worst(worst, std::fabs(y[r] - sum) / (mag + 1e-30));
+    }
+    std::printf("%s (%d x %d, %u blocks): max error %.3g of Σ|w·x| against the same rounding: %s\n", argv[1], rows,
+                cols, grid, worst, worst <= 1e-5 ? "ok" : "TOO LARGE");
+    const bool same = std::memcmp(y.data(), y_few.data(), rows * sizeof(float)) == 0;
+    std::printf("%s on %u blocks equals %u blocks bit for bit: %s\n", argv[1], few, grid, same ? "ok" : "DIFFERS");
+    return worst <= 1e-5 && same ? 0 : 1;
+}
