@@ -656,6 +656,7 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
                 plan.down_blocks,
                 plan.input_buffers,
                 plan.smem,
+                plan.grid_shift,
             ],
             // IQ3_S/Q2_0 add the unit decode's check.
             if name == "iq3s" { 4 } else { 3 },
