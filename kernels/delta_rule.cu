@@ -47,13 +47,23 @@ extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(c
     float* st = state + (u64)h * dk * dv;
 #pragma unroll
     for (int r = 0; r < 32; r++) S[r] = (a0 + r < dk && active) ? st[(u64)(a0 + r) * dv + b] : 0.0f;
+    const float nw = norm_w && active ? norm_w[b] : 0.0f;
     for (int t = 0; t < n; t++) {
+        // Every input of token t that does not depend on the state, loaded at once (in a
+        // decode step, while the state's loads are in flight): loaded where first used, after
+        // each barrier, they made four dependent round trips to memory a call.
+        const int a = a0 + lane;
+        const bool qk_lane = tile == 0 && a < dk;
+        const float qa = qk_lane ? q[(u64)t * q_stride + (u64)kh * dk + a] : 0.0f;
+        const float ka = qk_lane ? k[(u64)t * k_stride + (u64)kh * dk + a] : 0.0f;
+        const float g_t = g[(u64)t * nv + h];
+        const float bt = beta[(u64)t * nv + h];
+        const float vb = active ? v[(u64)t * v_stride + (u64)h * dv + b] : 0.0f;
+        const u64 o_at = ((u64)t * nv + h) * dv + b;
+        const float zb = norm_w && active ? z[o_at] : 0.0f;
         // Lane r of the first tile's warp w brings row a0 + r of q and k, and its share of
         // their norms.
         if (tile == 0) {
-            const int a = a0 + lane;
-            const float qa = a < dk ? q[(u64)t * q_stride + (u64)kh * dk + a] : 0.0f;
-            const float ka = a < dk ? k[(u64)t * k_stride + (u64)kh * dk + a] : 0.0f;
             if (a < dk) {
                 qs[a] = qa;
                 ks[a] = ka;
@@ -72,8 +82,7 @@ extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(c
         }
         const float qinv = 1.0f / sqrtf(qq + 1e-6f);
         const float kinv = 1.0f / sqrtf(kk + 1e-6f);
-        const float decay = expf(g[(u64)t * nv + h]);
-        const float bt = beta[(u64)t * nv + h];
+        const float decay = expf(g_t);
         float kv_part = 0.0f;
 #pragma unroll
         for (int r = 0; r < 32; r++) {
@@ -86,7 +95,6 @@ extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(c
         __syncthreads();
         float kv_mem = 0.0f;
         for (int i = 0; i < warps; i++) kv_mem += part[0][tile][i][lane];
-        const float vb = active ? v[(u64)t * v_stride + (u64)h * dv + b] : 0.0f;
         const float delta = (vb - kv_mem) * bt;
         float o_part = 0.0f;
 #pragma unroll
@@ -98,7 +106,6 @@ extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(c
         }
         part[1][tile][w][lane] = o_part;
         __syncthreads();
-        const u64 o_at = ((u64)t * nv + h) * dv + b;
         float o = 0.0f;
         if (w == 0) {
             for (int i = 0; i < warps; i++) o += part[1][tile][i][lane];
@@ -116,8 +123,7 @@ extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(c
                 const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
                 float r = 0.0f;
                 if (active) {
-                    const float zb = z[o_at];
-                    r = o * inv * norm_w[b] * (gate_act ? sigmoid_f(zb) : silu_f(zb));
+                    r = o * inv * nw * (gate_act ? sigmoid_f(zb) : silu_f(zb));
                     out[o_at] = r;
                 }
                 if (xq) warp_store_q8r(r, (u32)((o_at - lane) >> 5), nv * dv, xq, xs);
