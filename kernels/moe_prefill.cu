@@ -101,9 +101,9 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
 // two CTAs of one buffer (37.4 KB) and only one of two; there the other CTA hides the wait.
 #define MP_ENTRIES_AT(XBUFS) ((MP_ROWS + (XBUFS) * MP_BM) * MP_STRIDE)
 // IQ3_S's grid table after the entries, 1 << GRID_SHIFT copies of each entry (entry i's at
-// words i << GRID_SHIFT …): a unit's 8 lookups at random indices from global memory touched
-// ~14 of the table's 16 L1 lines a warp instruction, and from one shared copy they still meet
-// in the banks; with 16 copies (sm_90) a warp's lookups are ~2 shared-memory wavefronts.
+// words i << GRID_SHIFT …; one by default, flash_next.rs `moe_prefill_grid_shift`): a unit's 8
+// lookups at random indices from global memory touched ~14 of the table's 16 L1 lines a warp
+// instruction; from one shared copy they cost ~3.5 wavefronts, from 16 ~2.
 #define MP_GRID_AT(XBUFS) (MP_ENTRIES_AT(XBUFS) + MP_BM)
 #define MP_SMEM_BYTES(XBUFS, GRID_SHIFT) (MP_GRID_AT(XBUFS) * 4 + (512 << (GRID_SHIFT)) * 4)
 

@@ -713,33 +713,36 @@ NVFP4R_Q8_SPLITK(1, 8)
 // mode spreads them to bytes), the negation in one lop3 (every grid byte g is odd, and an odd
 // g xor 0xFE is −g), one dp4a. The 2 KiB grid is copied into shared memory per block.
 
+// The grid lookups at random indices meet in the banks (~3.5 wavefronts a warp lookup), but
+// they do not bound these kernels: copies of the table side by side, so that each lane reads
+// its own bank, made them slower on an H100 (8 copies 0.88x, 32 copies ~0.6x, with the grid
+// capped at the resident blocks ~0.75x; bench/results/iq3s-records-grid-copies-microbench-
+// h100box.json; the kernels of that run are in git at 03b28da). Probably the larger
+// shared-memory carve-out leaves too little L1 for the x and record loads (not measured).
+
 // Half-warps per block (256 threads).
 #define IQ3SR_HALF_WARPS 16
 
-// Byte offset of grid entry k (0..15) of a slot in a table of GC copies of each u32 entry
-// (entry i's copies at words GC·i .. GC·i + GC − 1): its 9-bit index times 4·GC, from the slot's
-// packed indices q (words 0..3: bits 0..127, word 4: bits 128..143). GC a power of two ≤ 32.
-template <int GC>
+// Byte offset of grid entry k (0..15) of a slot in a u32 table: its 9-bit index times 4, from
+// the slot's packed indices q (words 0..3: bits 0..127, word 4: bits 128..143).
 __device__ __forceinline__ u32 iq3sr_grid_offset(const u32 (&q)[5], int k) {
-    constexpr int up = 2 + (GC >= 2) + (GC >= 4) + (GC >= 8) + (GC >= 16) + (GC >= 32);  // log2(4·GC)
     const int bit = 9 * k, word = bit >> 5, at = bit & 31;
     u32 v;
-    if (at < up) v = q[word] << (up - at);
-    else if (at <= 23) v = q[word] >> (at - up);
-    else v = __funnelshift_r(q[word], q[word + 1], at - up);
-    return v & (0x1FFu << up);
+    if (at < 2) v = q[word] << (2 - at);
+    else if (at <= 23) v = q[word] >> (at - 2);
+    else v = __funnelshift_r(q[word], q[word + 1], at - 2);
+    return v & 0x7FCu;
 }
 
 // One slot of one row against its 64 int8 x values (xv: the slot's two groups of 32, each as
 // plane A then plane B) and their two scales: Σ w·x, w = d · (2s + 1) · signed grid value.
-template <int GC>
 __device__ __forceinline__ float iq3sr_slot_dot(const u32* grid, uint4 idx, u32 high, uint2 signs, u32 scales, float d,
                                                 const uint4 (&xv)[4], float2 xs) {
     const u32 q[5] = {idx.x, idx.y, idx.z, idx.w, high};
     int isum[2] = {0, 0};
 #pragma unroll
     for (int k = 0; k < 16; k++) {
-        const u32 g = *(const u32*)((const unsigned char*)grid + iq3sr_grid_offset<GC>(q, k));
+        const u32 g = *(const u32*)((const unsigned char*)grid + iq3sr_grid_offset(q, k));
         const u32 mask = prmt_sx((k < 8 ? signs.x : signs.y) << (k & 7), 0u, 0xBA98u);
         const uint4 x4 = xv[k >> 2];
         const u32 x = (k & 3) == 0 ? x4.x : (k & 3) == 1 ? x4.y : (k & 3) == 2 ? x4.z : x4.w;
@@ -751,7 +754,7 @@ __device__ __forceinline__ float iq3sr_slot_dot(const u32* grid, uint4 idx, u32 
 
 // Record r of rows row0..row0+HRPW-1 (clamped to the last row) against x, added into acc: the
 // lane's slot of every row, then x's 64 int8 values of those columns and their two scales.
-template <int HRPW, int GC>
+template <int HRPW>
 __device__ __forceinline__ void iq3sr_record(const u32* grid, const unsigned char* w, const uint4* xa_plane,
                                              const uint4* xb_plane, const float* xs, int r, int slot, int row0, int out,
                                              u64 row_bytes, float (&acc)[HRPW]) {
@@ -775,111 +778,86 @@ __device__ __forceinline__ void iq3sr_record(const u32* grid, const unsigned cha
     const float2 xscale = __ldg((const float2*)xs + (c >> 1));
 #pragma unroll
     for (int o = 0; o < HRPW; o++)
-        acc[o] += iq3sr_slot_dot<GC>(grid, idx[o], high[o], signs[o], scales[o], f16_to_f32(dbits[o]), xv, xscale);
-}
-
-// The IQ3_S grid in shared memory with GC copies of each entry, filled by the whole block (which
-// then synchronises), and the lane's own copy: with GC == 32 each lane reads its own bank
-// whatever the index, so a warp's 32 lookups are one shared-memory wavefront instead of the
-// ~3.5 that 32 random indices into one copy cost (the lookups, not the weight loads, bound the
-// GC == 1 kernel on an H100). GC ≤ 16 in static shared memory; GC == 32 (64 KiB) in the
-// launch's dynamic shared memory.
-template <int GC>
-__device__ __forceinline__ const u32* iq3sr_grid_copies() {
-    u32* grid;
-    if constexpr (GC <= 16) {
-        __shared__ u32 grid_static[512 * GC];
-        grid = grid_static;
-    } else {
-        extern __shared__ u32 grid_dynamic[];
-        grid = grid_dynamic;
-    }
-#pragma unroll 4
-    for (int i = threadIdx.x; i < 512 * GC; i += blockDim.x) grid[i] = QT_IQ3S[i / GC];
-    __syncthreads();
-    return grid + (threadIdx.x & (GC - 1));
+        acc[o] += iq3sr_slot_dot(grid, idx[o], high[o], signs[o], scales[o], f16_to_f32(dbits[o]), xv, xscale);
 }
 
 // y[out] = mult · W[out, in] · x with W in IQ3_S records (in % 1024 == 0), x from
-// quantize_x_q8r. Each half-warp takes HRPW consecutive rows; KS == 1: block 256 threads, a
-// block a group of 16 · HRPW rows. KS > 1 (few rows): each row's records are split over KS
-// half-warps (record r to the half-warp r mod KS) whose partial sums meet in shared memory and
-// are added in a fixed order (deterministic); a group of HRPW · 16 / KS rows. A block takes row
-// groups blockIdx.x, blockIdx.x + gridDim.x, ...: a grid of one group a block is one pass, a
-// smaller one fills the grid table once for several groups. UNROLL records a step of the
+// quantize_x_q8r. Each half-warp takes HRPW consecutive rows; KS == 1: block 256 threads, grid
+// ceil(out / (16 · HRPW)). KS > 1 (few rows): each row's records are split over KS half-warps
+// (record r to the half-warp r mod KS) whose partial sums meet in shared memory and are added in
+// a fixed order (deterministic); grid ceil(out / (HRPW · 16 / KS)). UNROLL records a step of the
 // record loop: 2 keeps more loads in flight, which pays where the grid is a single wave
-// (tools/cuda_microbench/iq3s_records_bench.cu). GC: copies of the grid table
-// (iq3sr_grid_copies).
-template <int HRPW, int KS, int UNROLL = 1, int GC = 1>
+// (tools/cuda_microbench/iq3s_records_bench.cu).
+template <int HRPW, int KS, int UNROLL = 1>
 __device__ __forceinline__ void iq3sr_q8_impl(const unsigned char* w, const unsigned char* xq, const float* xs,
                                               float* y, int in, int out, u64 row_bytes, float mult) {
-    const u32* grid = iq3sr_grid_copies<GC>();
+    __shared__ u32 grid[512];
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) grid[i] = QT_IQ3S[i];
+    __syncthreads();
     const int slot = threadIdx.x & 15, half_warp = threadIdx.x >> 4;
     const int slice = half_warp % KS;
-    constexpr int GROUP_ROWS = IQ3SR_HALF_WARPS / KS * HRPW;
-    const int groups = (out + GROUP_ROWS - 1) / GROUP_ROWS;
+    const int row0 = (blockIdx.x * (IQ3SR_HALF_WARPS / KS) + half_warp / KS) * HRPW;
     const int records = in >> 10;
     const uint4* xa_plane = (const uint4*)xq;
     const uint4* xb_plane = (const uint4*)(xq + (in >> 1));
-    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
-        const int row0 = group * GROUP_ROWS + half_warp / KS * HRPW;
-        float acc[HRPW];
+    float acc[HRPW];
 #pragma unroll
-        for (int o = 0; o < HRPW; o++) acc[o] = 0.0f;
+    for (int o = 0; o < HRPW; o++) acc[o] = 0.0f;
 #pragma unroll UNROLL
-        for (int r = slice; r < records; r += KS)
-            iq3sr_record<HRPW, GC>(grid, w, xa_plane, xb_plane, xs, r, slot, row0, out, row_bytes, acc);
-        // Sum over the half-warp (both halves shuffle together: offsets below 16 stay in a half).
+    for (int r = slice; r < records; r += KS)
+        iq3sr_record<HRPW>(grid, w, xa_plane, xb_plane, xs, r, slot, row0, out, row_bytes, acc);
+    // Sum over the half-warp (both halves shuffle together: offsets below 16 stay in a half).
 #pragma unroll
-        for (int o = 0; o < HRPW; o++)
+    for (int o = 0; o < HRPW; o++)
 #pragma unroll
-            for (int off = 8; off > 0; off >>= 1) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], off);
-        if constexpr (KS == 1) {
-            if (slot < HRPW && row0 + slot < out) {
-                float s = acc[0];
+        for (int off = 8; off > 0; off >>= 1) acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], off);
+    if constexpr (KS == 1) {
+        if (slot < HRPW && row0 + slot < out) {
+            float s = acc[0];
 #pragma unroll
-                for (int o = 1; o < HRPW; o++)
-                    if (slot == o) s = acc[o];
-                y[row0 + slot] = s * mult;
-            }
-        } else {
-            __shared__ float part[IQ3SR_HALF_WARPS][HRPW];
-            if (slot == 0) {
+            for (int o = 1; o < HRPW; o++)
+                if (slot == o) s = acc[o];
+            y[row0 + slot] = s * mult;
+        }
+    } else {
+        __shared__ float part[IQ3SR_HALF_WARPS][HRPW];
+        if (slot == 0) {
 #pragma unroll
-                for (int o = 0; o < HRPW; o++) part[half_warp][o] = acc[o];
-            }
-            __syncthreads();
-            if (slice == 0 && slot < HRPW && row0 + slot < out) {
-                float s = 0.0f;
+            for (int o = 0; o < HRPW; o++) part[half_warp][o] = acc[o];
+        }
+        __syncthreads();
+        if (slice == 0 && slot < HRPW && row0 + slot < out) {
+            float s = 0.0f;
 #pragma unroll
-                for (int j = 0; j < KS; j++) s += part[half_warp + j][slot];
-                y[row0 + slot] = s * mult;
-            }
-            if (group + (int)gridDim.x < groups) __syncthreads();  // part is rewritten by the next group
+            for (int j = 0; j < KS; j++) s += part[half_warp + j][slot];
+            y[row0 + slot] = s * mult;
         }
     }
 }
 
-// Each kernel three times, by copies of the grid table (iq3sr_grid_copies): 32 (the plain name;
-// 64 KiB of dynamic shared memory, IQ3SR_GRID32_SMEM, which the engine opts into), 16
-// (`_grid16`, 32 KiB static: for SMs of ~100 KiB such as sm_120, where 64 KiB blocks would run
-// one an SM) and one (`_one_grid`, 2 KiB: the kernel before copies, for comparisons).
-#define IQ3SR_GRID32_SMEM (512 * 32 * 4)
-#define IQ3SR_KERNEL_GC(NAME, HRPW, KS, UNROLL, GC)                                                          \
-    extern "C" __global__ void NAME(const unsigned char* w, const unsigned char* xq, const float* xs, float* y, \
-                                    int in, int out, u64 row_bytes, float mult) {                              \
-        KERNEL_START();                                                                                        \
-        iq3sr_q8_impl<HRPW, KS, UNROLL, GC>(w, xq, xs, y, in, out, row_bytes, mult);                          \
+#define IQ3SR_Q8(HRPW)                                                                                  \
+    extern "C" __global__ void quant_matvec_iq3sr_q8_##HRPW(const unsigned char* w, const unsigned char* xq, \
+                                                            const float* xs, float* y, int in, int out,     \
+                                                            u64 row_bytes, float mult) { KERNEL_START();     \
+        iq3sr_q8_impl<HRPW, 1>(w, xq, xs, y, in, out, row_bytes, mult);                                     \
     }
-#define IQ3SR_KERNEL(NAME, HRPW, KS, UNROLL)                \
-    IQ3SR_KERNEL_GC(NAME, HRPW, KS, UNROLL, 32)             \
-    IQ3SR_KERNEL_GC(NAME##_grid16, HRPW, KS, UNROLL, 16)    \
-    IQ3SR_KERNEL_GC(NAME##_one_grid, HRPW, KS, UNROLL, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8_1, 1, 1, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8_2, 2, 1, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8_2_unroll2, 2, 1, 2)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8k_2_4, 2, 4, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8k_1_2, 1, 2, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8k_2_8, 2, 8, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8k_1_4, 1, 4, 1)
-IQ3SR_KERNEL(quant_matvec_iq3sr_q8k_1_8, 1, 8, 1)
+IQ3SR_Q8(1)
+IQ3SR_Q8(2)
+
+extern "C" __global__ void quant_matvec_iq3sr_q8_2_unroll2(const unsigned char* w, const unsigned char* xq,
+                                                          const float* xs, float* y, int in, int out, u64 row_bytes,
+                                                          float mult) { KERNEL_START();
+    iq3sr_q8_impl<2, 1, 2>(w, xq, xs, y, in, out, row_bytes, mult);
+}
+
+#define IQ3SR_Q8_SPLITK(HRPW, KS)                                                                             \
+    extern "C" __global__ void quant_matvec_iq3sr_q8k_##HRPW##_##KS(const unsigned char* w, const unsigned char* xq, \
+                                                                    const float* xs, float* y, int in, int out,  \
+                                                                    u64 row_bytes, float mult) { KERNEL_START();  \
+        iq3sr_q8_impl<HRPW, KS>(w, xq, xs, y, in, out, row_bytes, mult);                                          \
+    }
+IQ3SR_Q8_SPLITK(2, 4)
+IQ3SR_Q8_SPLITK(1, 2)
+IQ3SR_Q8_SPLITK(2, 8)
+IQ3SR_Q8_SPLITK(1, 4)
+IQ3SR_Q8_SPLITK(1, 8)

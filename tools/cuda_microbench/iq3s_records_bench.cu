@@ -136,26 +136,6 @@ IQ3SR_Q8_UNROLL2(1, 1)
 IQ3SR_Q8_UNROLL2(1, 2)
 IQ3SR_Q8_UNROLL2(1, 4)
 
-// Grid-table copies (iq3sr_grid_copies): GC copies so that lanes read different banks.
-#define IQ3SR_Q8_GC(HRPW, KS, UNROLL, GC)                                                                     \
-    __global__ void iq3sr_q8_##HRPW##_##KS##_u##UNROLL##_gc##GC(const unsigned char* w, const unsigned char* xq, \
-                                                               const float* xs, float* y, int in, int out,       \
-                                                               u64 row_bytes, float mult) {                      \
-        KERNEL_START();                                                                                        \
-        iq3sr_q8_impl<HRPW, KS, UNROLL, GC>(w, xq, xs, y, in, out, row_bytes, mult);                           \
-    }
-IQ3SR_Q8_GC(2, 1, 1, 8)
-IQ3SR_Q8_GC(2, 1, 1, 16)
-IQ3SR_Q8_GC(2, 1, 1, 32)
-IQ3SR_Q8_GC(2, 1, 2, 16)
-IQ3SR_Q8_GC(2, 1, 2, 32)
-IQ3SR_Q8_GC(1, 1, 1, 32)
-IQ3SR_Q8_GC(1, 2, 1, 16)
-IQ3SR_Q8_GC(1, 2, 1, 32)
-IQ3SR_Q8_GC(1, 4, 1, 16)
-IQ3SR_Q8_GC(1, 4, 1, 32)
-IQ3SR_Q8_GC(2, 4, 1, 32)
-
 typedef void (*RecordsKernel)(const unsigned char*, const unsigned char*, const float*, float*, int, int, u64, float);
 
 int main() {
@@ -206,30 +186,16 @@ int main() {
         for (auto& v : hx) v = nd(rng);
         CK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     }
-    // The engine's kernels with one copy of the grid table (`_one_grid`), as before grid copies.
-    const RecordsKernel plain[] = {quant_matvec_iq3sr_q8_1_one_grid, quant_matvec_iq3sr_q8_2_one_grid};
-    const RecordsKernel unrolled[] = {iq3sr_q8_1_1_unroll2, quant_matvec_iq3sr_q8_2_unroll2_one_grid};
+    const RecordsKernel plain[] = {quant_matvec_iq3sr_q8_1, quant_matvec_iq3sr_q8_2};
+    const RecordsKernel unrolled[] = {iq3sr_q8_1_1_unroll2, quant_matvec_iq3sr_q8_2_unroll2};
     struct SplitK { const char* name; RecordsKernel k; int rpw, ks; };
-    const SplitK splitk[] = {{"quant_matvec_iq3sr_q8k_2_4_one_grid", quant_matvec_iq3sr_q8k_2_4_one_grid, 2, 4},
-                             {"quant_matvec_iq3sr_q8k_1_2_one_grid", quant_matvec_iq3sr_q8k_1_2_one_grid, 1, 2},
-                             {"quant_matvec_iq3sr_q8k_2_8_one_grid", quant_matvec_iq3sr_q8k_2_8_one_grid, 2, 8},
-                             {"quant_matvec_iq3sr_q8k_1_4_one_grid", quant_matvec_iq3sr_q8k_1_4_one_grid, 1, 4},
-                             {"quant_matvec_iq3sr_q8k_1_8_one_grid", quant_matvec_iq3sr_q8k_1_8_one_grid, 1, 8},
+    const SplitK splitk[] = {{"quant_matvec_iq3sr_q8k_2_4", quant_matvec_iq3sr_q8k_2_4, 2, 4},
+                             {"quant_matvec_iq3sr_q8k_1_2", quant_matvec_iq3sr_q8k_1_2, 1, 2},
+                             {"quant_matvec_iq3sr_q8k_2_8", quant_matvec_iq3sr_q8k_2_8, 2, 8},
+                             {"quant_matvec_iq3sr_q8k_1_4", quant_matvec_iq3sr_q8k_1_4, 1, 4},
+                             {"quant_matvec_iq3sr_q8k_1_8", quant_matvec_iq3sr_q8k_1_8, 1, 8},
                              {"q8k_1_2 unroll 2", iq3sr_q8_1_2_unroll2, 1, 2},
                              {"q8k_1_4 unroll 2", iq3sr_q8_1_4_unroll2, 1, 4}};
-    struct GridCopies { const char* name; RecordsKernel k; int rpw, ks, gc; };
-    const GridCopies grid_copies[] = {
-        {"q8_2 gc8", iq3sr_q8_2_1_u1_gc8, 2, 1, 8},
-        {"q8_2 gc16", iq3sr_q8_2_1_u1_gc16, 2, 1, 16},
-        {"q8_2 gc32", iq3sr_q8_2_1_u1_gc32, 2, 1, 32},
-        {"q8_2 unroll 2 gc16", iq3sr_q8_2_1_u2_gc16, 2, 1, 16},
-        {"q8_2 unroll 2 gc32", iq3sr_q8_2_1_u2_gc32, 2, 1, 32},
-        {"q8_1 gc32", iq3sr_q8_1_1_u1_gc32, 1, 1, 32},
-        {"q8k_1_2 gc16", iq3sr_q8_1_2_u1_gc16, 1, 2, 16},
-        {"q8k_1_2 gc32", iq3sr_q8_1_2_u1_gc32, 1, 2, 32},
-        {"q8k_1_4 gc16", iq3sr_q8_1_4_u1_gc16, 1, 4, 16},
-        {"q8k_1_4 gc32", iq3sr_q8_1_4_u1_gc32, 1, 4, 32},
-        {"q8k_2_4 gc32", iq3sr_q8_2_4_u1_gc32, 2, 4, 32}};
     for (auto s : shapes) {
         const u64 rb = (u64)s.in / 256 * 110;
         std::vector<unsigned char> hw(rb * s.rows);
@@ -280,7 +246,7 @@ int main() {
             for (int u = 0; u < 2; u++) {
                 ms = tm.ms([&] { (u ? unrolled : plain)[h]<<<blocks, 256>>>(wr, xq, xs, y1, s.in, s.rows, rb, 1.0f); });
                 char kn[96];
-                snprintf(kn, sizeof kn, "quant_matvec_iq3sr_q8_%d%s_one_grid blocks=%d", h + 1, u ? " unroll 2" : "", blocks);
+                snprintf(kn, sizeof kn, "quant_matvec_iq3sr_q8_%d%s blocks=%d", h + 1, u ? " unroll 2" : "", blocks);
                 emit(kn, s.rows, s.in, bytes, ms, check());
             }
         }
@@ -291,25 +257,6 @@ int main() {
             char kn[96];
             snprintf(kn, sizeof kn, "%s blocks=%d", k.name, blocks);
             emit(kn, s.rows, s.in, bytes, ms, check());
-        }
-        // Grid copies: each variant with one row group a block (as the engine launches), and for
-        // GC == 32 (64 KiB, few blocks an SM) also with the grid capped at the blocks that are
-        // resident at once (each block then loops over row groups, filling its table once).
-        for (auto k : grid_copies) {
-            if (s.in / 1024 < k.ks) continue;
-            const int smem = k.gc == 32 ? 512 * 32 * 4 : 0;
-            if (smem) CK(cudaFuncSetAttribute(k.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            const int groups = (s.rows + k.rpw * (16 / k.ks) - 1) / (k.rpw * (16 / k.ks));
-            int resident = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, k.k, 256, smem));
-            for (int cap = 0; cap < (k.gc == 32 ? 2 : 1); cap++) {
-                const int blocks = cap ? std::min(groups, resident * sms) : groups;
-                if (cap && blocks == groups) continue;
-                ms = tm.ms([&] { k.k<<<blocks, 256, smem>>>(wr, xq, xs, y1, s.in, s.rows, rb, 1.0f); });
-                char kn[128];
-                snprintf(kn, sizeof kn, "%s blocks=%d resident/SM=%d", k.name, blocks, resident);
-                emit(kn, s.rows, s.in, bytes, ms, check());
-            }
         }
         ms = tm.ms([&] { probe_iq3sr_loads<<<(s.rows + 15) / 16, 256>>>(wr, xq, xs, y1, s.in, s.rows, rb); });
         emit("probe: records loads, no decode", s.rows, s.in, bytes, ms, 0);

@@ -2,7 +2,8 @@
 # environment of the box, the fixture path the test executables were built at, a timed `step`
 # whose log lands in $LOGS, the ncu decode profile, and `finish`, which packs $LOGS into
 # $OUT/logs.tgz (a device call returns only a few files).
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels
+# CAPY_REQUIRE_GPU: a GPU test whose backend does not start fails here instead of skipping.
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64 CAPY_KERNEL_CACHE=/tmp/capy-kernels CAPY_REQUIRE_GPU=1
 export CAPY_COMMIT="$(cat .gpu/commit 2>/dev/null || echo unknown)"
 LOGS=/tmp/capy-logs
 rm -rf "$LOGS"; mkdir -p "$LOGS"

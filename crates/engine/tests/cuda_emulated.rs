@@ -640,6 +640,31 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
     {
         let plan = moe_prefill_plan(rows, k, experts, hidden, inter, smem_per_sm);
         buffers_seen.push(plan.input_buffers);
+        // IQ3_S on sm_90 also with 16 copies of the grid (CAPY_MOE_PREFILL_GRID_COPIES=16).
+        if name == "iq3s" && plan.input_buffers == 2 {
+            let p16 = (plan.grid_shift + 4, plan.smem + 15 * 2048);
+            run_driver_with(
+                exe,
+                &[name],
+                &[
+                    rows,
+                    experts,
+                    k,
+                    hidden,
+                    inter,
+                    interleaved,
+                    23,
+                    plan.max_blocks,
+                    plan.gate_up_blocks,
+                    plan.down_blocks,
+                    plan.input_buffers,
+                    p16.1,
+                    p16.0,
+                ],
+                4,
+                "the emulated iq3s prefill experts with 16 grid copies",
+            );
+        }
         let text = run_driver_with(
             exe,
             &[name],
@@ -692,19 +717,16 @@ fn prefill_experts_on_tensor_cores_match_double_sums() {
     );
 }
 
-/// The IQ3_S records matvecs (cuda_emulated/iq3s_records.cpp) with 32, 16 and one copy of the
-/// grid table, each variant (plain, as planned, every split-K a shape allows) launched as the
-/// backend plans it (`iq3sr_launch_plan`; 4 SMs, so that the plan splits small matrices), on
-/// records of the engine's own repack, against the same int8 rounding done in double and
-/// against itself on a third of the blocks. Shapes: rows not a multiple of a block's 32 rows
-/// (nor of 2), 1, 2 and 5 records a row.
+/// The IQ3_S records matvecs (cuda_emulated/iq3s_records.cpp): every variant (plain, as
+/// planned, every split-K a shape allows) launched as the backend plans it
+/// (`iq3sr_launch_plan`; 4 SMs, so that the plan splits small matrices), on records of the
+/// engine's own repack, against the same int8 rounding done in double. Shapes: rows not a
+/// multiple of a block's 32 rows (nor of 2), 1, 2 and 5 records a row.
 #[test]
-fn iq3s_records_matvecs_with_every_grid_copy_count_match_the_rounded_reference() {
+fn iq3s_records_matvecs_match_the_rounded_reference() {
     use capy_engine::backend::cpu::experts::{random_blocks, RowFormat};
     use capy_engine::backend::cuda::iq3s_records::to_records;
-    use capy_engine::backend::cuda::{
-        iq3sr_launch_plan, Iq3sGridCopies, RecordsKernel, IQ3SR_SPLITK,
-    };
+    use capy_engine::backend::cuda::{iq3sr_launch_plan, RecordsKernel, IQ3SR_SPLITK};
     use capy_engine::quant::GgmlType;
     let Some(exe) = iq3s_records_driver() else {
         return;
@@ -731,26 +753,18 @@ fn iq3s_records_matvecs_with_every_grid_copy_count_match_the_rounded_reference()
                     .map(RecordsKernel::SplitK),
             );
         for kernel in forced {
-            for copies in [
-                Iq3sGridCopies::ThirtyTwo,
-                Iq3sGridCopies::Sixteen,
-                Iq3sGridCopies::One,
-            ] {
-                let (name, launch_blocks, smem) = iq3sr_launch_plan(rows, cols, 4, copies, kernel);
-                run_driver_with(
-                    exe,
-                    &[
-                        name,
-                        blocks_file.to_str().unwrap(),
-                        records_file.to_str().unwrap(),
-                    ],
-                    &[rows, cols, launch_blocks, smem, rows + cols],
-                    2,
-                    &format!(
-                        "the emulated {name} ({rows} x {cols}, {kernel:?}, {copies:?} copies)"
-                    ),
-                );
-            }
+            let (name, launch_blocks) = iq3sr_launch_plan(rows, cols, 4, kernel);
+            run_driver_with(
+                exe,
+                &[
+                    name,
+                    blocks_file.to_str().unwrap(),
+                    records_file.to_str().unwrap(),
+                ],
+                &[rows, cols, launch_blocks, rows + cols],
+                1,
+                &format!("the emulated {name} ({rows} x {cols}, {kernel:?})"),
+            );
         }
     }
 }

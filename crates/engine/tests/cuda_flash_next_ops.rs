@@ -25,7 +25,7 @@ fn gpu() -> Option<CudaBackend> {
             Some(b)
         }
         Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
+            capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
             None
         }
     }
@@ -632,7 +632,7 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
     use capy_engine::backend::cpu::experts::RowFormat;
     let fast = match CudaBackend::with_exact_math(0, None, false) {
         Ok(b) => b,
-        Err(e) => return println!("skipping: no usable CUDA device: {e:#}"),
+        Err(e) => return capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}")),
     };
     let c = CpuBackend::new();
     let mut r = Rng(12);
@@ -669,7 +669,7 @@ fn quantized_prefill_experts_on_the_fast_path_stay_near_exact() {
 fn quantized_prefill_experts_routed_on_the_device_stay_near_exact() {
     use capy_engine::backend::cpu::experts::RowFormat;
     let (Some(exact), Ok(fast)) = (gpu(), CudaBackend::with_exact_math(0, None, false)) else {
-        return println!("skipping: no usable CUDA device");
+        return capy_engine::backend::cuda::no_device_for_test(&"a backend did not start");
     };
     let c = CpuBackend::new();
     let mut r = Rng(14);
@@ -758,7 +758,7 @@ fn quantized_prefill_experts_routed_on_the_device_stay_near_exact() {
 fn quantized_decode_experts_on_the_fast_path_stay_near_exact() {
     use capy_engine::backend::cpu::experts::RowFormat;
     let (Some(exact), Ok(fast)) = (gpu(), CudaBackend::with_exact_math(0, None, false)) else {
-        return println!("skipping: no usable CUDA device");
+        return capy_engine::backend::cuda::no_device_for_test(&"a backend did not start");
     };
     let c = CpuBackend::new();
     let mut r = Rng(13);
@@ -814,7 +814,7 @@ fn quantized_decode_experts_on_the_fast_path_stay_near_exact() {
 fn qsa_prefill_on_the_fast_path_stays_near_exact() {
     let fast = match CudaBackend::with_exact_math(0, None, false) {
         Ok(b) => b,
-        Err(e) => return println!("skipping: no usable CUDA device: {e:#}"),
+        Err(e) => return capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}")),
     };
     let c = CpuBackend::new();
     let mut r = Rng(21);

@@ -72,7 +72,7 @@ fn decode(backend: &CudaBackend, ck: &Checkpoint, graphs: bool) -> Vec<Vec<f32>>
 #[test]
 fn graph_replayed_decode_equals_direct_launches() {
     if let Err(e) = CudaBackend::new(0, None) {
-        println!("skipping: no usable CUDA device: {e:#}");
+        capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
         return;
     }
     for dir in fixture_dirs() {

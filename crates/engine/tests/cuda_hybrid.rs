@@ -20,7 +20,7 @@ fn gpu() -> Option<CudaBackend> {
             Some(b)
         }
         Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
+            capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
             None
         }
     }

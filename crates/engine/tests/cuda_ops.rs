@@ -28,7 +28,7 @@ fn gpu() -> Option<CudaBackend> {
             Some(b)
         }
         Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
+            capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
             None
         }
     }
@@ -39,7 +39,7 @@ fn fast_gpu() -> Option<CudaBackend> {
     match CudaBackend::with_exact_math(0, None, false) {
         Ok(b) => Some(b),
         Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
+            capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
             None
         }
     }
@@ -859,7 +859,7 @@ fn records_matvec_variants_agree() {
 fn iq3s_records_matvec_matches_block_kernel_and_cpu() {
     use capy_engine::backend::cpu::experts::format::RowFormat;
     use capy_engine::backend::cpu::experts::random_blocks;
-    use capy_engine::backend::cuda::{Iq3sGridCopies, RecordsKernel, IQ3SR_SPLITK};
+    use capy_engine::backend::cuda::{RecordsKernel, IQ3SR_SPLITK};
     use capy_engine::backend::{ExpertMatrices, MoeRouting};
     use capy_engine::quant::GgmlType as G;
     const IQ3S: RowFormat = RowFormat::Ggml(G::Iq3S);
@@ -914,48 +914,24 @@ fn iq3s_records_matvec_matches_block_kernel_and_cpu() {
                 "{rows}x{cols}: not records, the same kernel"
             );
         }
-        // Every variant with each count of grid-table copies: the copies hold the same values,
-        // so a variant gives the same bits whatever the count.
-        let mut by_copies: Vec<Vec<(String, Vec<f32>)>> = Vec::new();
-        for copies in [
-            Iq3sGridCopies::ThirtyTwo,
-            Iq3sGridCopies::Sixteen,
-            Iq3sGridCopies::One,
-        ] {
-            f.set_iq3s_grid_copies(copies);
-            f.set_records_kernel(RecordsKernel::Plain);
-            let mut variants: Vec<(String, Vec<f32>)> =
-                vec![("plain".into(), f.to_host(&f.linear(&xf, &mf)))];
-            f.set_records_kernel(RecordsKernel::Auto);
-            variants.push(("planned".into(), f.to_host(&f.linear(&xf, &mf))));
-            for k in IQ3SR_SPLITK {
-                if cols / 1024 < k.ks {
-                    continue; // a half-warp with no records: never chosen
-                }
-                f.set_records_kernel(RecordsKernel::SplitK(k));
-                variants.push((k.name.into(), f.to_host(&f.linear(&xf, &mf))));
+        f.set_records_kernel(RecordsKernel::Auto);
+        let mut variants: Vec<(String, Vec<f32>)> =
+            vec![("planned".into(), f.to_host(&f.linear(&xf, &mf)))];
+        for k in IQ3SR_SPLITK {
+            if cols / 1024 < k.ks {
+                continue; // a half-warp with no records: never chosen
             }
-            f.set_records_kernel(RecordsKernel::Auto);
-            for (name, got) in &variants {
-                let (worst, scale) = deviation(got, &plain);
-                assert!(
-                    worst <= 1e-5 * (1.0 + scale),
-                    "{name} ({copies:?} grid copies) {rows}x{cols} against the plain kernel: {worst} (scale {scale})"
-                );
-            }
-            if let Some(first) = by_copies.first() {
-                for ((name, want), (_, got)) in first.iter().zip(&variants) {
-                    assert!(
-                        want == got,
-                        "{name} {rows}x{cols}: {copies:?} grid copies differ from 32"
-                    );
-                }
-            }
-            by_copies.push(variants);
+            f.set_records_kernel(RecordsKernel::SplitK(k));
+            variants.push((k.name.into(), f.to_host(&f.linear(&xf, &mf))));
         }
-        f.set_iq3s_grid_copies(Iq3sGridCopies::for_device(
-            f.device_info().smem_per_multiprocessor,
-        ));
+        f.set_records_kernel(RecordsKernel::Auto);
+        for (name, got) in variants {
+            let (worst, scale) = deviation(&got, &plain);
+            assert!(
+                worst <= 1e-5 * (1.0 + scale),
+                "{name} {rows}x{cols} against the plain kernel: {worst} (scale {scale})"
+            );
+        }
         // The generic decode of records (several rows: the f32 matvec; a prefill: the BF16 GEMM
         // of dequantized rows) gives the block layout's values bit for bit, and stays near the
         // CPU (the f32 sums of up to 17408 terms in another order: 1e-6 of the output scale).
@@ -1541,7 +1517,7 @@ fn vram_budget_is_enforced_with_numbers() {
     let b = match CudaBackend::with_exact_math(0, Some(1 << 20), true) {
         Ok(b) => b,
         Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
+            capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
             return;
         }
     };

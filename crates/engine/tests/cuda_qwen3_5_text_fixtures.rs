@@ -140,7 +140,7 @@ fn greedy(m: &mut dyn CausalLm, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>
 #[test]
 fn fixtures_on_the_gpu_match_reference() {
     if let Err(e) = CudaBackend::with_exact_math(0, None, true) {
-        println!("skipping: no usable CUDA device: {e:#}");
+        capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
         return;
     }
     for dir in fixture_dirs() {

@@ -191,7 +191,7 @@ fn greedy(
 #[test]
 fn qwen4_exp_text_fixtures_on_the_gpu_match_reference() {
     if let Err(e) = CudaBackend::with_exact_math(0, None, true) {
-        println!("skipping: no usable CUDA device: {e:#}");
+        capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
         return;
     }
     for name in FIXTURES {

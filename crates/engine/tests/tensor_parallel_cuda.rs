@@ -93,7 +93,7 @@ fn two_gpu_ranks() -> Option<Vec<CudaBackend>> {
     {
         Ok(b) => Some(b),
         Err(e) => {
-            println!("skipping: no usable CUDA device: {e:#}");
+            capy_engine::backend::cuda::no_device_for_test(&format!("{e:#}"));
             None
         }
     }

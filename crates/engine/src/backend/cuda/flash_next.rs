@@ -182,10 +182,14 @@ fn moe_prefill_smem(input_buffers: usize, grid_shift: usize) -> usize {
 }
 
 /// Copies of the IQ3_S grid (as log2) the prefill expert kernels keep with `input_buffers`
-/// input buffers on an SM of `smem_per_sm` bytes: 16 where two CTAs still fit (sm_90: 86.5 KiB a
-/// CTA), else one (~100 KiB SMs: there a second CTA hides more than fewer bank conflicts).
+/// input buffers on an SM of `smem_per_sm` bytes: one (2 KiB; a lookup from global memory
+/// touched ~14 L1 lines a warp instruction, from one shared copy ~3.5 wavefronts), or 16 with
+/// `CAPY_MOE_PREFILL_GRID_COPIES=16` where two CTAs still fit (for a same-run comparison: in the
+/// records matvecs more copies were slower, bench/results/iq3s-records-grid-copies-microbench-
+/// h100box.json).
 pub fn moe_prefill_grid_shift(smem_per_sm: usize, input_buffers: usize) -> usize {
-    if 2 * (moe_prefill_smem(input_buffers, 4) + 1024) <= smem_per_sm {
+    let sixteen = std::env::var("CAPY_MOE_PREFILL_GRID_COPIES").is_ok_and(|v| v == "16");
+    if sixteen && 2 * (moe_prefill_smem(input_buffers, 4) + 1024) <= smem_per_sm {
         4
     } else {
         0
@@ -2103,9 +2107,10 @@ mod tests {
                 plan.smem
             );
         }
-        // sm_90: 16 copies of the IQ3_S grid beside the two buffers; the consumer cards one.
+        // One copy of the IQ3_S grid beside the buffers; 16 (on request) only where two CTAs
+        // still fit.
         let sm90 = moe_prefill_plan(1, 1, 1, 64, 64, 233_472);
-        assert_eq!((sm90.grid_shift, sm90.smem), (4, 55_808 + 16 * 2048));
+        assert_eq!((sm90.grid_shift, sm90.smem), (0, 55_808 + 2048));
         let consumer = moe_prefill_plan(1, 1, 1, 64, 64, super::CONSUMER_SM_SMEM);
         assert_eq!(
             (consumer.grid_shift, consumer.smem),

@@ -112,7 +112,9 @@ fn quant_functions() -> Vec<String> {
             .map(|r| format!("quant_matvec_nvfp4r_q8_{r}")),
     );
     v.extend(super::NVFP4R_SPLITK.iter().map(|k| k.name.to_string()));
-    v.extend(super::iq3sr_kernel_names().map(|(n, _)| n.to_string()));
+    v.extend((1..=2).map(|r| format!("quant_matvec_iq3sr_q8_{r}")));
+    v.push("quant_matvec_iq3sr_q8_2_unroll2".into());
+    v.extend(super::IQ3SR_SPLITK.iter().map(|k| k.name.to_string()));
     v
 }
 

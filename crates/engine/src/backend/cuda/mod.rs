@@ -98,93 +98,16 @@ pub const NVFP4R_SPLITK: [RecordsSplitK; 6] = [
     splitk("quant_matvec_nvfp4r_q8k_1_8", 1, 8),
 ];
 
-/// The IQ3_S records split-K variants of one grid-copies suffix (`Iq3sGridCopies::suffix`), a
-/// half-warp a slice, in order of preference: one row a half-warp first. On an H100
-/// (tools/cuda_microbench/iq3s_records_bench.cu) the 5120-row matrices of the 27B read at
-/// 1.66 TB/s with `_1_2` and `_1_4`, 1.46 to 1.56 with two rows a half-warp (one grid copy).
-macro_rules! iq3sr_splitk {
-    ($suffix:literal) => {
-        [
-            splitk(concat!("quant_matvec_iq3sr_q8k_1_2", $suffix), 1, 2),
-            splitk(concat!("quant_matvec_iq3sr_q8k_1_4", $suffix), 1, 4),
-            splitk(concat!("quant_matvec_iq3sr_q8k_2_4", $suffix), 2, 4),
-            splitk(concat!("quant_matvec_iq3sr_q8k_2_8", $suffix), 2, 8),
-            splitk(concat!("quant_matvec_iq3sr_q8k_1_8", $suffix), 1, 8),
-        ]
-    };
-}
-/// The split-K variants with 32 grid copies; tests force one by its entry here, which
-/// `records_matvec` maps onto the same variant of the grid copies in use.
-pub const IQ3SR_SPLITK: [RecordsSplitK; 5] = iq3sr_splitk!("");
-const IQ3SR_SPLITK_GRID16: [RecordsSplitK; 5] = iq3sr_splitk!("_grid16");
-const IQ3SR_SPLITK_ONE_GRID: [RecordsSplitK; 5] = iq3sr_splitk!("_one_grid");
-
-/// Copies of the IQ3_S grid table in a records matvec's shared memory
-/// (kernels/quant_matvec.cu `iq3sr_grid_copies`): with one, a warp's 32 lookups at random
-/// indices cost ~3.5 shared-memory wavefronts, and those lookups, not the weight loads, held the
-/// 27B's matvecs at ~0.64 of the H100's read bandwidth; with 32 each lane reads its own bank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Iq3sGridCopies {
-    /// 2 KiB: the kernels before copies (for comparisons).
-    One,
-    /// 32 KiB, static: SMs of ~100 KiB (sm_120), where 64 KiB blocks would run one an SM.
-    Sixteen,
-    /// 64 KiB of dynamic shared memory (opted into at load).
-    ThirtyTwo,
-}
-
-impl Iq3sGridCopies {
-    /// Dynamic shared memory of the 32-copy kernels (kernels/quant_matvec.cu `IQ3SR_GRID32_SMEM`).
-    const GRID32_SMEM: usize = 512 * 32 * 4;
-
-    /// The most copies an SM of `smem_per_multiprocessor` bytes holds three blocks of (the
-    /// two-rows kernel's register limit on sm_90; each block also reserves 1 KiB): 32 on
-    /// sm_90's 228 KiB, 16 on sm_120's 100 KiB.
-    pub fn for_device(smem_per_multiprocessor: usize) -> Self {
-        if smem_per_multiprocessor >= 3 * (Self::GRID32_SMEM + 1024) {
-            Self::ThirtyTwo
-        } else {
-            Self::Sixteen
-        }
-    }
-
-    /// `CAPY_IQ3S_GRID_COPIES=1|16|32` (same-run comparisons); `None` where unset.
-    pub fn from_env() -> anyhow::Result<Option<Self>> {
-        match std::env::var("CAPY_IQ3S_GRID_COPIES") {
-            Err(_) => Ok(None),
-            Ok(v) => match v.trim() {
-                "1" => Ok(Some(Self::One)),
-                "16" => Ok(Some(Self::Sixteen)),
-                "32" => Ok(Some(Self::ThirtyTwo)),
-                other => bail!("CAPY_IQ3S_GRID_COPIES is `{other}`; expected 1, 16 or 32"),
-            },
-        }
-    }
-
-    fn family(self) -> &'static RecordsFamily {
-        match self {
-            Self::One => &IQ3SR_ONE_GRID_FAMILY,
-            Self::Sixteen => &IQ3SR_GRID16_FAMILY,
-            Self::ThirtyTwo => &IQ3SR_FAMILY,
-        }
-    }
-
-    fn code(self) -> u8 {
-        match self {
-            Self::One => 1,
-            Self::Sixteen => 16,
-            Self::ThirtyTwo => 32,
-        }
-    }
-
-    fn of_code(code: u8) -> Self {
-        match code {
-            1 => Self::One,
-            16 => Self::Sixteen,
-            _ => Self::ThirtyTwo,
-        }
-    }
-}
+/// IQ3_S records, a half-warp a slice, in order of preference: one row a half-warp first. On
+/// an H100 (tools/cuda_microbench/iq3s_records_bench.cu) the 5120-row matrices of the 27B read
+/// at 1.66 TB/s with `_1_2` and `_1_4`, 1.46 to 1.56 with two rows a half-warp.
+pub const IQ3SR_SPLITK: [RecordsSplitK; 5] = [
+    splitk("quant_matvec_iq3sr_q8k_1_2", 1, 2),
+    splitk("quant_matvec_iq3sr_q8k_1_4", 1, 4),
+    splitk("quant_matvec_iq3sr_q8k_2_4", 2, 4),
+    splitk("quant_matvec_iq3sr_q8k_2_8", 2, 8),
+    splitk("quant_matvec_iq3sr_q8k_1_8", 1, 8),
+];
 
 /// One format's records matvecs (kernels/quant_matvec.cu): `slices` (warps or half-warps) a
 /// 256-thread block, the plain kernel (`plain_rpw` rows a slice, one pass over the rows), the
@@ -193,8 +116,6 @@ impl Iq3sGridCopies {
 /// which it replaces `plain`.
 struct RecordsFamily {
     slices: usize,
-    /// Dynamic shared memory of every kernel of the family, bytes.
-    dynamic_smem: usize,
     plain: &'static str,
     plain_rpw: usize,
     splitk: &'static [RecordsSplitK],
@@ -204,7 +125,6 @@ struct RecordsFamily {
 
 const NVFP4R_FAMILY: RecordsFamily = RecordsFamily {
     slices: NVFP4R_WARPS,
-    dynamic_smem: 0,
     plain: "quant_matvec_nvfp4r_q8_2",
     plain_rpw: NVFP4R_ROWS_PER_WARP,
     splitk: &NVFP4R_SPLITK,
@@ -217,37 +137,15 @@ const NVFP4R_FAMILY: RecordsFamily = RecordsFamily {
 /// 448 blocks (3.4 an SM: 1.66 against 1.54 TB/s for the 14336-row projection). Up to 4 blocks
 /// an SM (one wave at 64 registers) the record loop unrolled twice: 2.08 against 1.72 TB/s for
 /// the 16480-row projection, 1.85 against 1.64 for the 14336-row one, while the 1088 blocks of
-/// gate_up read at 1.86 against 2.03 with it. (Figures with one grid copy.) The family with
-/// `suffix`'s grid copies (`Iq3sGridCopies`), its split-K variants and dynamic shared memory.
-macro_rules! iq3sr_family {
-    ($suffix:literal, $splitk:expr, $smem:expr) => {
-        RecordsFamily {
-            slices: 16,
-            dynamic_smem: $smem,
-            plain: concat!("quant_matvec_iq3sr_q8_2", $suffix),
-            plain_rpw: 2,
-            splitk: $splitk,
-            full_blocks_per_sm: 3,
-            plain_one_wave: Some((concat!("quant_matvec_iq3sr_q8_2_unroll2", $suffix), 4)),
-        }
-    };
-}
-const IQ3SR_FAMILY: RecordsFamily = iq3sr_family!("", &IQ3SR_SPLITK, Iq3sGridCopies::GRID32_SMEM);
-const IQ3SR_GRID16_FAMILY: RecordsFamily = iq3sr_family!("_grid16", &IQ3SR_SPLITK_GRID16, 0);
-const IQ3SR_ONE_GRID_FAMILY: RecordsFamily = iq3sr_family!("_one_grid", &IQ3SR_SPLITK_ONE_GRID, 0);
-
-/// Every IQ3_S records kernel, by family (the module's entry points; the first family's take
-/// the opt-in shared memory).
-pub(crate) fn iq3sr_kernel_names() -> impl Iterator<Item = (&'static str, usize)> {
-    [&IQ3SR_FAMILY, &IQ3SR_GRID16_FAMILY, &IQ3SR_ONE_GRID_FAMILY]
-        .into_iter()
-        .flat_map(|f| {
-            std::iter::once(f.plain)
-                .chain(f.plain_one_wave.map(|(n, _)| n))
-                .chain(f.splitk.iter().map(|k| k.name))
-                .map(move |n| (n, f.dynamic_smem))
-        })
-}
+/// gate_up read at 1.86 against 2.03 with it.
+const IQ3SR_FAMILY: RecordsFamily = RecordsFamily {
+    slices: 16,
+    plain: "quant_matvec_iq3sr_q8_2",
+    plain_rpw: 2,
+    splitk: &IQ3SR_SPLITK,
+    full_blocks_per_sm: 3,
+    plain_one_wave: Some(("quant_matvec_iq3sr_q8_2_unroll2", 4)),
+};
 
 /// The split-K records kernel of `family` for a `[rows, cols]` matrix, or `None` where the
 /// plain one already gives every SM a full load (`full_blocks_per_sm`). The first variant (in
@@ -303,9 +201,8 @@ pub fn iq3sr_splitk_plan(
 }
 
 /// The kernel of `family` a one-row product over a `[rows, cols]` matrix launches, and its
-/// blocks (256 threads each), given the backend's `RecordsKernel` setting. A forced IQ3_S
-/// split-K variant is named by its entry in `IQ3SR_SPLITK` (32 grid copies): the same variant
-/// of `family` runs; a variant of the other format plans as `Auto`.
+/// blocks (256 threads each), given the backend's `RecordsKernel` setting (a forced variant of
+/// the other format plans as `Auto`).
 fn records_launch(
     family: &RecordsFamily,
     rows: usize,
@@ -318,13 +215,8 @@ fn records_launch(
     let splitk = match forced {
         RecordsKernel::Auto => plan(),
         RecordsKernel::Plain => None,
-        RecordsKernel::SplitK(k) => IQ3SR_SPLITK
-            .iter()
-            .position(|x| *x == k)
-            .filter(|_| family.plain.starts_with("quant_matvec_iq3sr"))
-            .map(|i| family.splitk[i])
-            .or(Some(k).filter(|k| family.splitk.contains(k)))
-            .or_else(plan),
+        RecordsKernel::SplitK(k) if family.splitk.contains(&k) => Some(k),
+        RecordsKernel::SplitK(_) => plan(),
     };
     match splitk {
         Some(k) => (k.name, ceil_div(rows, k.rpw * (family.slices / k.ks))),
@@ -338,18 +230,15 @@ fn records_launch(
     }
 }
 
-/// An IQ3_S records matvec launch as the backend makes it: kernel, blocks of 256 threads,
-/// dynamic shared memory bytes (the CPU emulator's tests launch the kernels this way).
+/// An IQ3_S records matvec launch as the backend makes it: kernel and blocks of 256 threads
+/// (the CPU emulator's tests launch the kernels this way).
 pub fn iq3sr_launch_plan(
     rows: usize,
     cols: usize,
     multiprocessors: usize,
-    copies: Iq3sGridCopies,
     forced: RecordsKernel,
-) -> (&'static str, usize, usize) {
-    let family = copies.family();
-    let (name, blocks) = records_launch(family, rows, cols, multiprocessors, forced);
-    (name, blocks, family.dynamic_smem)
+) -> (&'static str, usize) {
+    records_launch(&IQ3SR_FAMILY, rows, cols, multiprocessors, forced)
 }
 
 /// Which records matvec one-row products take (NVFP4 and IQ3_S alike).
@@ -510,6 +399,16 @@ const LARGE_SMEM_KERNELS: [&str; 5] = [
     "moe_prefill_gate_up",
     "moe_prefill_down",
 ];
+/// What a GPU test does where the backend cannot start: prints why and skips (machines
+/// without a GPU, such as CI), unless `CAPY_REQUIRE_GPU=1` (the GPU box's scripts set it), where
+/// a backend that fails to start is a failure, not a skip.
+pub fn no_device_for_test(why: &dyn std::fmt::Display) {
+    if std::env::var("CAPY_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("CAPY_REQUIRE_GPU=1 but the CUDA backend did not start: {why}");
+    }
+    println!("skipping: no usable CUDA device: {why}");
+}
+
 /// The oldest driver API version accepted: CUDA 13.0 (driver R580).
 pub const MIN_DRIVER: i32 = 13000;
 
@@ -624,8 +523,6 @@ struct Inner {
     grouped_gemm_warned: std::sync::atomic::AtomicBool,
     /// Which records matvec a one-row product takes (`RecordsKernel`, as `records_kernel_code`).
     records_kernel: AtomicU64,
-    /// Copies of the grid table in the IQ3_S records matvecs (`Iq3sGridCopies::code`).
-    iq3s_grid_copies: std::sync::atomic::AtomicU8,
     /// Kernels are launched with programmatic dependent launch (kernels/common.cuh): sm_90 and
     /// later, unless `CAPY_PDL=0`.
     pdl: bool,
@@ -1223,8 +1120,6 @@ impl CudaBackend {
                 drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
             )
             .map_err(|e| anyhow::anyhow!("device attribute: {e}"))? as usize;
-        let iq3s_grid_copies = Iq3sGridCopies::from_env()?
-            .unwrap_or_else(|| Iq3sGridCopies::for_device(smem_per_multiprocessor));
         if let Some(b) = vram_budget {
             if b > total_memory {
                 bail!("--vram-budget is {b} bytes but {name} has only {total_memory} bytes");
@@ -1276,10 +1171,7 @@ impl CudaBackend {
                 drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| anyhow::anyhow!("device attribute: {e}"))?;
-        let iq3sr_large = iq3sr_kernel_names()
-            .filter(|(_, smem)| *smem > 0)
-            .map(|(n, _)| n);
-        for name in LARGE_SMEM_KERNELS.into_iter().chain(iq3sr_large) {
+        for name in LARGE_SMEM_KERNELS {
             let f = functions[name];
             // SAFETY: a loaded function; the value is the device's own opt-in maximum.
             unsafe {
@@ -1363,7 +1255,6 @@ impl CudaBackend {
                 } else {
                     RecordsKernel::Plain
                 })),
-                iq3s_grid_copies: std::sync::atomic::AtomicU8::new(iq3s_grid_copies.code()),
                 graphs: graph::GraphRecorder::new(graph::graphs_requested()),
                 sync_allocated: Mutex::new(HashSet::new()),
             }),
@@ -1394,15 +1285,6 @@ impl CudaBackend {
         self.inner
             .records_kernel
             .store(records_kernel_code(k), Ordering::Relaxed);
-    }
-
-    /// Copies of the grid table the IQ3_S records matvecs use from now on (default: the most
-    /// the device holds three blocks an SM of, `Iq3sGridCopies::for_device`;
-    /// `CAPY_IQ3S_GRID_COPIES` sets it).
-    pub fn set_iq3s_grid_copies(&self, copies: Iq3sGridCopies) {
-        self.inner
-            .iq3s_grid_copies
-            .store(copies.code(), Ordering::Relaxed);
     }
 
     /// Repack NVFP4 matrices uploaded from now on into records for the records matvec
@@ -2165,14 +2047,14 @@ impl CudaBackend {
             fused => fused,
         };
         let family = if q.code == QF_IQ3SR {
-            Iq3sGridCopies::of_code(self.inner.iq3s_grid_copies.load(Ordering::Relaxed)).family()
+            &IQ3SR_FAMILY
         } else {
             &NVFP4R_FAMILY
         };
         let sms = self.inner.info.multiprocessors.max(1) as usize;
         let forced = records_kernel_of(self.inner.records_kernel.load(Ordering::Relaxed));
         let (kernel, blocks) = records_launch(family, w.rows, w.cols, sms, forced);
-        launch!(self, kernel, (blocks as u32, 1, 1), (256, 1, 1), family.dynamic_smem as u32;
+        launch!(self, kernel, (blocks as u32, 1, 1), (256, 1, 1), 0;
             w.buf.ptr, planes, scales, out.ptr(), w.cols as i32, w.rows as i32, q.row_bytes as u64, q.multiplier);
     }
 
@@ -3821,57 +3703,15 @@ mod tests {
     }
 
     #[test]
-    fn grid_copies_fit_three_blocks_an_sm() {
-        // sm_90: 228 KiB an SM; sm_120 (RTX 50): 100 KiB; sm_86: 100 KiB.
-        assert_eq!(
-            Iq3sGridCopies::for_device(233_472),
-            Iq3sGridCopies::ThirtyTwo
-        );
-        assert_eq!(Iq3sGridCopies::for_device(102_400), Iq3sGridCopies::Sixteen);
-        for copies in [
-            Iq3sGridCopies::One,
-            Iq3sGridCopies::Sixteen,
-            Iq3sGridCopies::ThirtyTwo,
-        ] {
-            assert_eq!(Iq3sGridCopies::of_code(copies.code()), copies);
-        }
-        // Every family's kernels are loaded, the 32-copy ones with their shared memory.
-        let names: Vec<(&str, usize)> = iq3sr_kernel_names().collect();
-        assert_eq!(names.len(), 3 * 7);
-        for (name, smem) in names {
-            let one_or_16 = name.ends_with("_grid16") || name.ends_with("_one_grid");
-            let want = if one_or_16 {
-                0
-            } else {
-                Iq3sGridCopies::GRID32_SMEM
-            };
-            assert_eq!(smem, want, "{name}");
-        }
-    }
-
-    #[test]
-    fn a_forced_iq3s_split_runs_in_the_grid_copies_in_use() {
+    fn a_forced_records_variant_of_the_other_format_plans_as_auto() {
         let k = IQ3SR_SPLITK[1];
-        for (copies, suffix) in [
-            (Iq3sGridCopies::ThirtyTwo, ""),
-            (Iq3sGridCopies::Sixteen, "_grid16"),
-            (Iq3sGridCopies::One, "_one_grid"),
-        ] {
-            let (name, blocks, _) =
-                iq3sr_launch_plan(5120, 17408, 132, copies, RecordsKernel::SplitK(k));
-            assert_eq!(name, format!("{}{suffix}", k.name));
-            assert_eq!(blocks, ceil_div(5120, k.rpw * 16 / k.ks));
-        }
-        // An NVFP4 variant forced: IQ3_S plans as Auto.
-        let auto = iq3sr_launch_plan(5120, 17408, 132, Iq3sGridCopies::One, RecordsKernel::Auto);
-        let forced_other = iq3sr_launch_plan(
-            5120,
-            17408,
-            132,
-            Iq3sGridCopies::One,
-            RecordsKernel::SplitK(NVFP4R_SPLITK[0]),
-        );
-        assert_eq!(auto, forced_other);
+        let (name, blocks) = iq3sr_launch_plan(5120, 17408, 132, RecordsKernel::SplitK(k));
+        assert_eq!((name, blocks), (k.name, ceil_div(5120, k.rpw * 16 / k.ks)));
+        let auto = iq3sr_launch_plan(5120, 17408, 132, RecordsKernel::Auto);
+        let other = iq3sr_launch_plan(5120, 17408, 132, RecordsKernel::SplitK(NVFP4R_SPLITK[0]));
+        assert_eq!(auto, other);
+        let plain = iq3sr_launch_plan(34816, 5120, 132, RecordsKernel::Plain);
+        assert_eq!(plain, ("quant_matvec_iq3sr_q8_2", 1088));
     }
 
     #[test]
