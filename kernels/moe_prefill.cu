@@ -100,12 +100,7 @@ extern "C" __global__ void moe_prefill_align(const u32* ids, const float* weight
 // an SM of 228 KB (sm_90). An SM of ~100 KB (sm_86, sm_89, sm_120: the consumer cards) holds
 // two CTAs of one buffer (37.4 KB) and only one of two; there the other CTA hides the wait.
 #define MP_ENTRIES_AT(XBUFS) ((MP_ROWS + (XBUFS) * MP_BM) * MP_STRIDE)
-// IQ3_S's grid table after the entries, 1 << GRID_SHIFT copies of each entry (entry i's at
-// words i << GRID_SHIFT …; one by default, flash_next.rs `moe_prefill_grid_shift`): a unit's 8
-// lookups at random indices from global memory touched ~14 of the table's 16 L1 lines a warp
-// instruction; from one shared copy they cost ~3.5 wavefronts, from 16 ~2.
-#define MP_GRID_AT(XBUFS) (MP_ENTRIES_AT(XBUFS) + MP_BM)
-#define MP_SMEM_BYTES(XBUFS, GRID_SHIFT) (MP_GRID_AT(XBUFS) * 4 + (512 << (GRID_SHIFT)) * 4)
+#define MP_SMEM_BYTES(XBUFS) (MP_ENTRIES_AT(XBUFS) * 4 + MP_BM * 4)
 
 // Weight groups of 8 a thread stages a k-step: a row's MP_BK / 8 groups shared by the
 // threads t, t + MP_ROWS (MP_ROWS divides the CTA's threads): 32 weights, a unit of the
@@ -153,7 +148,7 @@ __device__ __forceinline__ MpUnit mp_load_unit(const unsigned char* row, int u, 
 // the same products, formed without the per-group address arithmetic, reloaded scales or I2F
 // (moe_quant_decode.cu's `byte_times`).
 template <int FMT>
-__device__ __forceinline__ void mp_decode_unit(const MpUnit& r, u32* out, const u32* grid, int grid_shift) {
+__device__ __forceinline__ void mp_decode_unit(const MpUnit& r, u32* out) {
     const float d = f16_to_f32((u16)(r.w[0] & 0xffff));
     if (FMT == QF_IQ3_S) {
         const float db = d * (float)(1 + 2 * ((r.w[0] >> 16) & 15));
@@ -165,11 +160,10 @@ __device__ __forceinline__ void mp_decode_unit(const MpUnit& r, u32* out, const 
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int i = 2 * q + h;
-                const u32 index = ((r.w[1 + (i >> 2)] >> (8 * (i & 3))) & 255) | (((qh >> i) & 1) << 8);
-                const u32 entry = grid[index << grid_shift];
+                const u32 grid = QT_IQ3S[((r.w[1 + (i >> 2)] >> (8 * (i & 3))) & 255) | (((qh >> i) & 1) << 8)];
                 float v[4];
 #pragma unroll
-                for (int j = 0; j < 4; j++) v[j] = signed_value(byte_times(entry, j, db, db_lo), signs, 4 * h + j);
+                for (int j = 0; j < 4; j++) v[j] = signed_value(byte_times(grid, j, db, db_lo), signs, 4 * h + j);
                 out[4 * q + 2 * h] = bf16x2(v[0], v[1]);
                 out[4 * q + 2 * h + 1] = bf16x2(v[2], v[3]);
             }
@@ -277,17 +271,10 @@ __device__ __forceinline__ void mp_mma_step(const u32* ws, const u32* xs, int m0
 // The CTA's block of sorted entries (blockIdx.y) into shared memory, and how many it holds
 // (`valid`: the align kernel fills a block from its start, so they are entries 0 … valid - 1).
 // Returns the block's expert, or MP_EMPTY for a block past the routing's last (the CTA then
-// returns; every thread sees the same). IQ3_S: the grid table's copies too (MP_GRID_AT), before
-// the same barrier.
-template <int FMT>
-__device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u32* sorted, u32* entries, int* valid,
-                                                int grid_shift) {
+// returns; every thread sees the same).
+__device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u32* sorted, u32* entries, int* valid) {
     const u32 e = block_expert[blockIdx.y];
     if (e == MP_EMPTY) return e;
-    if (FMT == QF_IQ3_S) {
-        u32* grid = entries + MP_BM;
-        for (int i = threadIdx.x; i < (512 << grid_shift); i += blockDim.x) grid[i] = QT_IQ3S[i >> grid_shift];
-    }
     u32 entry = MP_EMPTY;
     if (threadIdx.x < MP_BM) entries[threadIdx.x] = entry = sorted[(u64)blockIdx.y * MP_BM + threadIdx.x];
     *valid = __syncthreads_count(entry != MP_EMPTY);  // also the barrier before entries is read
@@ -303,13 +290,11 @@ __device__ __forceinline__ u32 mp_block_entries(const u32* block_expert, const u
 // fetched once the products are done, in flight while the decoded weights are stored.
 template <int FMT, typename SrcRow>
 __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* row, const u16* src, SrcRow src_row,
-                                                 int m0, int m1, int n0, int valid, int xbufs, int grid_shift,
-                                                 u32* smem, float (*acc)[8][4]) {
+                                                 int m0, int m1, int n0, int valid, int xbufs, u32* smem,
+                                                 float (*acc)[8][4]) {
     u32* ws = smem;
     u32* xs = ws + MP_ROWS * MP_STRIDE;
     const u32* entries = smem + MP_ENTRIES_AT(xbufs);
-    // The lane's copy of the grid table (filled by mp_block_entries).
-    const u32* grid = smem + MP_GRID_AT(xbufs) + (threadIdx.x & ((1 << grid_shift) - 1));
     const bool ahead = xbufs == 2;
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -322,7 +307,7 @@ __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* 
     if (MP_UNIT_FORMAT(FMT)) unit = mp_load_unit<FMT>(row, mp_unit_col(0) >> 5, row && mp_unit_col(0) < cols);
     for (int k0 = 0, step = 0; k0 < cols; k0 += MP_BK, step ^= (int)ahead) {
         u32 packed[4 * MP_STAGE_GROUPS];
-        if (MP_UNIT_FORMAT(FMT)) mp_decode_unit<FMT>(unit, packed, grid, grid_shift);
+        if (MP_UNIT_FORMAT(FMT)) mp_decode_unit<FMT>(unit, packed);
         else mp_decode_groups<FMT>(k0, cols, row, packed);
         if (k0 > 0) {
             __syncthreads();  // the previous step's products are done with ws and its xs
@@ -343,18 +328,18 @@ __device__ __forceinline__ void mp_tile_products(int cols, const unsigned char* 
 }
 
 // grid (ceil(inter / (MP_ROWS / 2)), max_blocks), MP_WARPS warps (exactly: the staging and
-// the warp tiling assume it), MP_SMEM_BYTES(xbufs, grid_shift) of dynamic shared memory.
+// the warp tiling assume it), MP_SMEM_BYTES(xbufs) of dynamic shared memory.
 // xb [n, hidden] BF16 (x rounded); act [max_blocks · MP_BM, inter] BF16, rows by sorted position.
 // table [experts, stride] u64: gate_up pointer, down pointer, …, gate_up multiplier at 4.
 template <int FMT>
 __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int stride, const u32* block_expert,
                                                          const u32* sorted, int k, const u16* xb, u16* act,
                                                          int hidden, int inter, u64 row_bytes, int interleaved,
-                                                         int xbufs, int grid_shift) {
+                                                         int xbufs) {
     extern __shared__ u32 mp_smem[];
     u32* entries = mp_smem + MP_ENTRIES_AT(xbufs);
     int valid;
-    const u32 e = mp_block_entries<FMT>(block_expert, sorted, entries, &valid, grid_shift);
+    const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
     const u64* ex = table + (u64)e * stride;
     const unsigned char* w = (const unsigned char*)ex[0];
@@ -368,7 +353,7 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
     const u64 wr = interleaved ? 2 * (u64)staged + up : (u64)up * inter + staged;
     mp_tile_products<FMT>(hidden, staged < inter ? w + wr * row_bytes : nullptr, xb,
                           [k](int, u32 entry) { return entry / (u32)k; }, 16 * quarter, MP_ROWS / 2 + 16 * quarter,
-                          n0, valid, xbufs, grid_shift, mp_smem, acc);
+                          n0, valid, xbufs, mp_smem, acc);
     const u64 pos0 = (u64)blockIdx.y * MP_BM;
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -388,11 +373,11 @@ __device__ __forceinline__ void moe_prefill_gate_up_impl(const u64* table, int s
 template <int FMT>
 __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stride, const u32* block_expert,
                                                       const u32* sorted, const u16* act, float* ys, int hidden,
-                                                      int inter, u64 row_bytes, int xbufs, int grid_shift) {
+                                                      int inter, u64 row_bytes, int xbufs) {
     extern __shared__ u32 mp_smem[];
     u32* entries = mp_smem + MP_ENTRIES_AT(xbufs);
     int valid;
-    const u32 e = mp_block_entries<FMT>(block_expert, sorted, entries, &valid, grid_shift);
+    const u32 e = mp_block_entries(block_expert, sorted, entries, &valid);
     if (e == MP_EMPTY) return;
     const u64* ex = table + (u64)e * stride;
     const unsigned char* w = (const unsigned char*)ex[1];
@@ -404,7 +389,7 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
     const int staged = o0 + threadIdx.x % MP_ROWS;
     mp_tile_products<FMT>(inter, staged < hidden ? w + (u64)staged * row_bytes : nullptr,
                           act + (u64)blockIdx.y * MP_BM * inter, [](int r, u32) { return (u32)r; }, 32 * quarter,
-                          32 * quarter + 16, n0, valid, xbufs, grid_shift, mp_smem, acc);
+                          32 * quarter + 16, n0, valid, xbufs, mp_smem, acc);
     const int lane = threadIdx.x & 31, group = lane >> 2, t = lane & 3;
     // Entry by entry (one entries[] value live at a time beside the accumulators).
 #pragma unroll
@@ -428,20 +413,18 @@ __device__ __forceinline__ void moe_prefill_down_impl(const u64* table, int stri
 extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)
     moe_prefill_gate_up(const u64* table, int stride, const u32* block_expert, const u32* sorted, int k,
                         const u16* xb, u16* act, int fmt, int hidden, int inter, u64 row_bytes,
-                        int interleaved, int xbufs, int grid_shift) { KERNEL_START();
+                        int interleaved, int xbufs) { KERNEL_START();
 #define MP_GU(F)                                                                                              \
     moe_prefill_gate_up_impl<F>(table, stride, block_expert, sorted, k, xb, act, hidden, inter, row_bytes, interleaved, \
-                                xbufs, grid_shift)
+                                xbufs)
     MOE_Q_DISPATCH(MP_GU)
 #undef MP_GU
 }
 
 extern "C" __global__ void __launch_bounds__(MP_WARPS * 32, 2)
     moe_prefill_down(const u64* table, int stride, const u32* block_expert, const u32* sorted, const u16* act,
-                     float* ys, int fmt, int hidden, int inter, u64 row_bytes, int xbufs, int grid_shift) {
-    KERNEL_START();
-#define MP_D(F) \
-    moe_prefill_down_impl<F>(table, stride, block_expert, sorted, act, ys, hidden, inter, row_bytes, xbufs, grid_shift)
+                     float* ys, int fmt, int hidden, int inter, u64 row_bytes, int xbufs) { KERNEL_START();
+#define MP_D(F) moe_prefill_down_impl<F>(table, stride, block_expert, sorted, act, ys, hidden, inter, row_bytes, xbufs)
     MOE_Q_DISPATCH(MP_D)
 #undef MP_D
 }

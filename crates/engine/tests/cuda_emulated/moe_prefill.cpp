@@ -12,7 +12,7 @@
 //   within f32 rounding (≤ 1e-5 of Σ|terms|).
 //
 // usage: moe_prefill iq3s|nvfp4|q8_0 rows experts k hidden inter interleaved seed
-//        max_blocks gate_up_blocks down_blocks input_buffers smem grid_shift
+//        max_blocks gate_up_blocks down_blocks input_buffers smem
 #include "emu.hpp"
 #include "kernels.inc"
 #include "random_blocks.hpp"
@@ -47,7 +47,7 @@ static bool units_match_groups(const unsigned char* m, u64 row_bytes, int rows, 
     for (int r = 0; r < rows; r++)
         for (int u = 0; u < cols / 32; u++) {
             u32 pairs[16];
-            mp_decode_unit<FMT>(mp_load_unit<FMT>(m + (size_t)r * row_bytes, u, true), pairs, QT_IQ3S, 0);
+            mp_decode_unit<FMT>(mp_load_unit<FMT>(m + (size_t)r * row_bytes, u, true), pairs);
             for (int g = 0; g < 4; g++) {
                 float f[8];
                 qdecode8<FMT>(m + (size_t)r * row_bytes, 4 * u + g, f);
@@ -59,10 +59,10 @@ static bool units_match_groups(const unsigned char* m, u64 row_bytes, int rows, 
 }
 
 int main(int argc, char** argv) {
-    if (argc < 15) {
+    if (argc < 14) {
         std::fprintf(stderr,
                      "usage: %s iq3s|nvfp4 rows experts k hidden inter interleaved seed max_blocks gu_blocks "
-                     "down_blocks input_buffers smem grid_shift\n",
+                     "down_blocks input_buffers smem\n",
                      argv[0]);
         return 2;
     }
@@ -77,7 +77,6 @@ int main(int argc, char** argv) {
     const unsigned gu_blocks = std::stoul(argv[10]), down_blocks = std::stoul(argv[11]);
     const int xbufs = std::stoi(argv[12]);
     const size_t smem = std::stoul(argv[13]);
-    const int grid_shift = std::stoi(argv[14]);
     std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
     const int gu_fmt = nvfp4 ? QF_NVFP4 : q8_0 ? QF_Q8_0 : QF_IQ3_S;
     const int down_fmt = nvfp4 ? QF_NVFP4 : q8_0 ? QF_Q8_0 : QF_Q2_0;
@@ -136,11 +135,11 @@ int main(int argc, char** argv) {
     std::vector<float> ys((size_t)n * k * hidden, NAN);
     emu::launch({gu_blocks, (unsigned)max_blocks, 1}, {32 * MP_WARPS, 1, 1}, smem, [&] {
         moe_prefill_gate_up(table.data(), 6, block_expert.data(), sorted.data(), k, xb.data(), act.data(), gu_fmt,
-                            hidden, inter, gu_row, interleaved, xbufs, grid_shift);
+                            hidden, inter, gu_row, interleaved, xbufs);
     });
     emu::launch({down_blocks, (unsigned)max_blocks, 1}, {32 * MP_WARPS, 1, 1}, smem, [&] {
         moe_prefill_down(table.data(), 6, block_expert.data(), sorted.data(), act.data(), ys.data(), down_fmt, hidden,
-                         inter, down_row, xbufs, grid_shift);
+                         inter, down_row, xbufs);
     });
 
     // The sorting.

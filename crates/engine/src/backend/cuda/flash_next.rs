@@ -163,37 +163,19 @@ pub struct MoePrefillPlan {
     pub down_blocks: usize,
     /// Input buffers of either (`xbufs`): [`moe_prefill_input_buffers`].
     pub input_buffers: usize,
-    /// log2 of the copies of IQ3_S's grid table in a CTA's shared memory (`grid_shift`):
-    /// [`moe_prefill_grid_shift`].
-    pub grid_shift: usize,
     /// Dynamic shared memory of either (weights of a k-step, inputs of `input_buffers`, the
-    /// block's entries, the grid copies: `MP_SMEM_BYTES(xbufs, grid_shift)`, past the 48 KiB
-    /// default, so the kernels opt in at load).
+    /// block's entries: `MP_SMEM_BYTES(xbufs)`, past the 48 KiB default, so the kernels opt in
+    /// at load).
     pub smem: usize,
 }
 
 /// Shared memory an SM of sm_86, sm_89 and sm_120 holds (the consumer cards).
 const CONSUMER_SM_SMEM: usize = 100 * 1024;
 
-/// Shared memory the prefill expert kernels take a CTA with `input_buffers` input buffers and
-/// `1 << grid_shift` copies of the IQ3_S grid (kernels/moe_prefill.cu `MP_SMEM_BYTES`).
-fn moe_prefill_smem(input_buffers: usize, grid_shift: usize) -> usize {
-    (MP_ROWS + input_buffers * MP_BM) * MP_STRIDE * 4 + MP_BM * 4 + (512 << grid_shift) * 4
-}
-
-/// Copies of the IQ3_S grid (as log2) the prefill expert kernels keep with `input_buffers`
-/// input buffers on an SM of `smem_per_sm` bytes: one (2 KiB; a lookup from global memory
-/// touched ~14 L1 lines a warp instruction, from one shared copy ~3.5 wavefronts), or 16 with
-/// `CAPY_MOE_PREFILL_GRID_COPIES=16` where two CTAs still fit (for a same-run comparison: in the
-/// records matvecs more copies were slower, bench/results/iq3s-records-grid-copies-microbench-
-/// h100box.json).
-pub fn moe_prefill_grid_shift(smem_per_sm: usize, input_buffers: usize) -> usize {
-    let sixteen = std::env::var("CAPY_MOE_PREFILL_GRID_COPIES").is_ok_and(|v| v == "16");
-    if sixteen && 2 * (moe_prefill_smem(input_buffers, 4) + 1024) <= smem_per_sm {
-        4
-    } else {
-        0
-    }
+/// Shared memory the prefill expert kernels take a CTA with `input_buffers` input buffers
+/// (kernels/moe_prefill.cu `MP_SMEM_BYTES`).
+fn moe_prefill_smem(input_buffers: usize) -> usize {
+    (MP_ROWS + input_buffers * MP_BM) * MP_STRIDE * 4 + MP_BM * 4
 }
 
 /// Input buffers the prefill expert kernels take on an SM of `smem_per_sm` bytes of shared
@@ -202,7 +184,7 @@ pub fn moe_prefill_grid_shift(smem_per_sm: usize, input_buffers: usize) -> usize
 /// ~100 KiB), one staging while the other multiplies.
 pub fn moe_prefill_input_buffers(smem_per_sm: usize) -> usize {
     // The driver reserves 1 KiB of an SM's shared memory for each resident CTA.
-    if 2 * (moe_prefill_smem(2, 0) + 1024) <= smem_per_sm {
+    if 2 * (moe_prefill_smem(2) + 1024) <= smem_per_sm {
         2
     } else {
         1
@@ -219,14 +201,12 @@ pub fn moe_prefill_plan(
 ) -> MoePrefillPlan {
     let entries = rows * top_k;
     let input_buffers = moe_prefill_input_buffers(smem_per_sm);
-    let grid_shift = moe_prefill_grid_shift(smem_per_sm, input_buffers);
     MoePrefillPlan {
         max_blocks: entries.div_ceil(MP_BM) + experts.min(entries),
         gate_up_blocks: inter.div_ceil(MP_ROWS / 2),
         down_blocks: hidden.div_ceil(MP_ROWS),
         input_buffers,
-        grid_shift,
-        smem: moe_prefill_smem(input_buffers, grid_shift),
+        smem: moe_prefill_smem(input_buffers),
     }
 }
 
@@ -1106,12 +1086,11 @@ impl CudaBackend {
         let block = (MP_THREADS as u32, 1, 1);
         launch!(self, "moe_prefill_gate_up", (plan.gate_up_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
             table, stride, block_expert, sorted, top_k as i32, xb.ptr, act.ptr, gq.code,
-            hidden as i32, inter as i32, gq.row_bytes as u64, 0i32, plan.input_buffers as i32,
-            plan.grid_shift as i32);
+            hidden as i32, inter as i32, gq.row_bytes as u64, 0i32, plan.input_buffers as i32);
         let ys = self.alloc(entries * hidden * 4, "MoE expert outputs");
         launch!(self, "moe_prefill_down", (plan.down_blocks as u32, plan.max_blocks as u32, 1), block, plan.smem as u32;
             table, stride, block_expert, sorted, act.ptr, ys.ptr, dq.code, hidden as i32,
-            inter as i32, dq.row_bytes as u64, plan.input_buffers as i32, plan.grid_shift as i32);
+            inter as i32, dq.row_bytes as u64, plan.input_buffers as i32);
         Some(self.combine_routed(
             ys.ptr,
             (combine_slots, combine_weights),
@@ -2107,15 +2086,7 @@ mod tests {
                 plan.smem
             );
         }
-        // One copy of the IQ3_S grid beside the buffers; 16 (on request) only where two CTAs
-        // still fit.
-        let sm90 = moe_prefill_plan(1, 1, 1, 64, 64, 233_472);
-        assert_eq!((sm90.grid_shift, sm90.smem), (0, 55_808 + 2048));
-        let consumer = moe_prefill_plan(1, 1, 1, 64, 64, super::CONSUMER_SM_SMEM);
-        assert_eq!(
-            (consumer.grid_shift, consumer.smem),
-            (0, 55_808 - 128 * 36 * 4 + 2048)
-        );
+        assert_eq!(moe_prefill_plan(1, 1, 1, 64, 64, 233_472).smem, 55_808);
     }
 
     #[test]
