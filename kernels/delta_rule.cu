@@ -50,8 +50,9 @@ extern "C" __global__ void __launch_bounds__(GDR_MAX_THREADS) gated_delta_rule(c
     const float nw = norm_w && active ? norm_w[b] : 0.0f;
     for (int t = 0; t < n; t++) {
         // Every input of token t that does not depend on the state, loaded at once (in a
-        // decode step, while the state's loads are in flight): loaded where first used, after
-        // each barrier, they made four dependent round trips to memory a call.
+        // decode step, while the state's loads are in flight) rather than where first used,
+        // after each barrier; on the H100 the 27B's decode step did not change measurably
+        // (1.002x, bench/results/gpu-qwen3.8-27b-iq3_s-gdn-loads-session25-h100box.json).
         const int a = a0 + lane;
         const bool qk_lane = tile == 0 && a < dk;
         const float qa = qk_lane ? q[(u64)t * q_stride + (u64)kh * dk + a] : 0.0f;

@@ -555,7 +555,7 @@ extern "C" __global__ void quantize_x_q8r(const float* x, int in, unsigned char*
 // sign replicated (written as asm so that no intrinsic masks the selector to 3 bits).
 __device__ __forceinline__ u32 prmt_sx(u32 lo, u32 hi, u32 sel) {
 #ifdef CAPY_EMULATED
-    return __byte_perm(lo, hi, sel);  // the emulator's models prmt's sign mode (emu.hpp)
+    return __byte_perm(lo, hi, sel);  // the emulator models prmt's sign mode (emu.hpp)
 #else
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
