@@ -76,6 +76,22 @@ ncu_detail() {
   cp "$LOGS/ncu-detail.txt" "$OUT/ncu-detail.txt"
 }
 
+# As ncu_detail, for the kernels matching $1 in one whole prefill (the bench's context): the
+# first $2 launches (default 4), with the source counters (bank conflicts, L1 wavefronts) too,
+# into $OUT/ncu-prefill-detail.txt. Session 25's two rejected changes were reasoned from counts
+# of wavefronts; these sections measure them.
+ncu_prefill_detail() {
+  local kernels=$1 launches=${2:-4}
+  shift 2 || shift $#
+  CAPY_PROFILE_PREFILL=1 step ncu-prefill-detail 400 ncu --clock-control none --cache-control none \
+    --profile-from-start off -k "regex:$kernels" --launch-count "$launches" \
+    --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
+    --section SourceCounters \
+    .gpu/capy-flash bench --out "$LOGS/gpu-ncu-prefill.json" gpu "$@" --decode-tokens 2
+  cp "$LOGS/ncu-prefill-detail.txt" "$OUT/ncu-prefill-detail.txt"
+}
+
 finish() {
   ( cd "$LOGS" && tar czf "$OUT/logs.tgz" . )
 }
