@@ -8,6 +8,7 @@
 // usage: iq3s_records KERNEL BLOCKS_FILE RECORDS_FILE rows cols blocks seed
 #include "emu.hpp"
 #include "kernels.inc"
+#include "q8_reference.hpp"
 
 #include <fstream>
 #include <iterator>
@@ -79,27 +80,17 @@ int main(int argc, char** argv) {
                 [&] { k->second(w.get(), xq.get(), xs.data(), y.data(), cols, rows, (u64)row_bytes, mult); });
 
     // The reference: x rounded as quantize_x_q8r rounds it, the blocks' weights as integers.
-    std::vector<int> q(cols);
-    std::vector<double> step(groups);
-    for (int g = 0; g < groups; g++) {
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs(x[32 * g + j]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int j = 0; j < 32; j++) q[32 * g + j] = (int)std::nearbyint(x[32 * g + j] * inv);
-        step[g] = amax * (1.0f / 127.0f);
-    }
+    std::vector<int> q;
+    std::vector<float> step;
+    quantize(x.data(), cols, q, step);
     double worst = 0;
     for (int r = 0; r < rows; r++) {
         double sum = 0, mag = 0;
         for (int i = 0; i < cols; i++) {
-            const unsigned char* b = blocks.data() + r * row_bytes + (size_t)(i / 256) * 110;
-            const int j = i % 256, entry = j / 4, sub = j / 32;
-            const int index = b[2 + entry] | (((b[66 + entry / 8] >> (entry % 8)) & 1) << 8);
-            const int mag8 = (QT_IQ3S[index] >> (8 * (j % 4))) & 255;
-            const int sign = (b[74 + j / 8] >> (j % 8)) & 1 ? -1 : 1;
-            const int sc = (b[106 + sub / 2] >> (4 * (sub % 2))) & 15;
-            const double d = emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))) * (1.0 + 2.0 * sc);
-            const double t = mult * d * sign * mag8 * q[i] * step[i / 32];
+            int v;
+            double s;
+            iq3s_weight(blocks.data() + r * row_bytes + (size_t)(i / 256) * 110, i % 256, &v, &s);
+            const double t = mult * s * v * q[i] * step[i / 32];
             sum += t;
             mag += std::fabs(t);
         }

@@ -11,21 +11,11 @@
 //        gate_up_smem down_blocks down_smem
 #include "emu.hpp"
 #include "kernels.inc"
+#include "q8_reference.hpp"
 #include "random_blocks.hpp"
 
 #include <random>
 #include <string>
-
-// IQ3_S weight i (0..255) of the block at b, as (integer value, its scale d·(1 + 2·scale)).
-static void iq3s_weight(const unsigned char* b, int i, int* value, double* scale) {
-    const int entry = i / 4, sub = i / 32;
-    const int index = b[2 + entry] | (((b[66 + entry / 8] >> (entry % 8)) & 1) << 8);
-    const int mag = (QT_IQ3S[index] >> (8 * (i % 4))) & 255;
-    const int sign = (b[74 + i / 8] >> (i % 8)) & 1 ? -1 : 1;
-    const int sc = (b[106 + sub / 2] >> (4 * (sub % 2))) & 15;
-    *value = sign * mag;
-    *scale = emu_f16_to_f32((unsigned short)(b[0] | (b[1] << 8))) * (1.0 + 2.0 * sc);
-}
 
 // Q2_0 weight i (0..63) of the block at b: (c − 1) and d.
 static void q2_0_weight(const unsigned char* b, int i, int* value, double* scale) {
@@ -42,19 +32,6 @@ static void nvfp4_weight(const unsigned char* b, int i, int* value, double* scal
     float s;
     std::memcpy(&s, &QT_E4M3[b[i / 16]], 4);
     *scale = 0.5 * s;
-}
-
-// x rounded as the kernels round it: q[i] and the step of each 32 values.
-static void quantize(const float* x, int n, std::vector<int>& q, std::vector<float>& step) {
-    q.assign(n, 0);
-    step.assign(n / 32, 0.0f);
-    for (int g = 0; g < n / 32; g++) {
-        float amax = 0.0f;
-        for (int k = 0; k < 32; k++) amax = std::fmax(amax, std::fabs(x[32 * g + k]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int k = 0; k < 32; k++) q[32 * g + k] = (int)std::nearbyint(x[32 * g + k] * inv);
-        step[g] = amax * (1.0f / 127.0f);
-    }
 }
 
 // A weight row against x three ways: with x rounded (exact integers, scales in double), the
