@@ -136,6 +136,23 @@ IQ3SR_Q8_UNROLL2(1, 1)
 IQ3SR_Q8_UNROLL2(1, 2)
 IQ3SR_Q8_UNROLL2(1, 4)
 
+// Session 26: ncu showed quant_matvec_iq3sr_q8_2 on the 27B gate/up shape held at 3 blocks an SM
+// by its 72 registers (24 warps; 2.75 waves of 1088 blocks) with L1TEX scoreboard stalls 59% of
+// its cycles. These variants ask for 4 blocks an SM (at most 64 registers), or take 3 or 4 rows
+// a half-warp (fewer blocks: 1.8 or 1.4 waves at 3 an SM).
+#define IQ3SR_Q8_LB(NAME, HRPW, UNROLL, MINB)                                                        \
+    __global__ void __launch_bounds__(256, MINB)                                                     \
+        NAME(const unsigned char* w, const unsigned char* xq, const float* xs, float* y, int in, int out, \
+             u64 row_bytes, float mult) {                                                            \
+        KERNEL_START();                                                                              \
+        iq3sr_q8_impl<HRPW, 1, UNROLL>(w, xq, xs, y, in, out, row_bytes, mult);                      \
+    }
+IQ3SR_Q8_LB(iq3sr_q8_2_lb4, 2, 1, 4)
+IQ3SR_Q8_LB(iq3sr_q8_2_unroll2_lb4, 2, 2, 4)
+IQ3SR_Q8_LB(iq3sr_q8_1_lb4, 1, 1, 4)
+IQ3SR_Q8_LB(iq3sr_q8_3, 3, 1, 1)
+IQ3SR_Q8_LB(iq3sr_q8_4, 4, 1, 1)
+
 typedef void (*RecordsKernel)(const unsigned char*, const unsigned char*, const float*, float*, int, int, u64, float);
 
 int main() {
@@ -247,6 +264,21 @@ int main() {
                 ms = tm.ms([&] { (u ? unrolled : plain)[h]<<<blocks, 256>>>(wr, xq, xs, y1, s.in, s.rows, rb, 1.0f); });
                 char kn[96];
                 snprintf(kn, sizeof kn, "quant_matvec_iq3sr_q8_%d%s blocks=%d", h + 1, u ? " unroll 2" : "", blocks);
+                emit(kn, s.rows, s.in, bytes, ms, check());
+            }
+        }
+        {
+            struct Variant { const char* name; RecordsKernel k; int hrpw; };
+            const Variant variants[] = {{"iq3sr_q8_2 launch_bounds(256,4)", iq3sr_q8_2_lb4, 2},
+                                        {"iq3sr_q8_2 unroll 2 launch_bounds(256,4)", iq3sr_q8_2_unroll2_lb4, 2},
+                                        {"iq3sr_q8_1 launch_bounds(256,4)", iq3sr_q8_1_lb4, 1},
+                                        {"iq3sr_q8_3", iq3sr_q8_3, 3},
+                                        {"iq3sr_q8_4", iq3sr_q8_4, 4}};
+            for (auto v : variants) {
+                const int blocks = (s.rows + 16 * v.hrpw - 1) / (16 * v.hrpw);
+                ms = tm.ms([&] { v.k<<<blocks, 256>>>(wr, xq, xs, y1, s.in, s.rows, rb, 1.0f); });
+                char kn[96];
+                snprintf(kn, sizeof kn, "%s blocks=%d", v.name, blocks);
                 emit(kn, s.rows, s.in, bytes, ms, check());
             }
         }

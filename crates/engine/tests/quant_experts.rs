@@ -454,3 +454,41 @@ fn bench_cpu_experts() {
     let report = run(&params).unwrap();
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
 }
+
+/// A small `bench cpu-experts` run reports where its calls' time went, in order: the job is
+/// published after the grouping, the gate/up tasks run out before the down rows end, and the
+/// caller returns after the last worker.
+#[test]
+fn the_cpu_experts_bench_reports_each_calls_timeline() {
+    use capy_engine::backend::cpu::experts::bench::{run, BenchParams};
+    let params = BenchParams {
+        format: RowFormat::Ggml(GgmlType::Iq3S),
+        down_format: Some(RowFormat::Ggml(GgmlType::Q2_0)),
+        threads: 2,
+        batch: 1,
+        experts: 16,
+        top_k: 4,
+        hidden: 512,
+        intermediate: 256,
+        iters: 6,
+        isa: Isa::detect(),
+        path: MathPath::Fast,
+        bandwidth_mib: 16,
+        seed: 3,
+    };
+    let report = run(&params).unwrap();
+    let t = &report["timeline"];
+    assert_eq!(t["calls"], 6, "{t}");
+    let f = |k: &str| t[k].as_f64().unwrap_or_else(|| panic!("{k} in {t}"));
+    assert!(f("before_job_us") > 0.0, "{t}");
+    assert!(f("before_job_us") <= f("gate_up_end_first_us"), "{t}");
+    assert!(f("gate_up_end_first_us") <= f("gate_up_end_last_us"), "{t}");
+    assert!(f("gate_up_end_last_us") <= f("down_end_last_us"), "{t}");
+    assert!(f("down_end_first_us") <= f("down_end_last_us"), "{t}");
+    assert!(f("down_end_last_us") <= f("total_us"), "{t}");
+    assert!(
+        f("join_us") >= 0.0 && f("wait_mean_us") <= f("wait_max_us"),
+        "{t}"
+    );
+    assert!(f("busy_ratio") > 0.0 && f("busy_ratio") <= 1.0, "{t}");
+}

@@ -162,6 +162,9 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
     let mut set = ExpertSet::zeroed(layout, p.experts);
     set.randomize(p.seed);
     let mut scratch = MoeScratch::new(shape, p.experts, p.batch, p.top_k, threads);
+    // A few clock reads per worker and call (well under 1 µs of a ~100 µs call).
+    scratch.record_timeline(true);
+    let mut timelines = Vec::new();
     let mut rng = SplitMix(p.seed ^ 0x5eed);
     let x: Vec<f32> = (0..p.batch * p.hidden)
         .map(|_| rng.unit() * 2.0 - 1.0)
@@ -211,6 +214,9 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         let secs = start.elapsed().as_secs_f64();
         if it >= warmup {
             samples.push((secs, distinct));
+            if let Some(t) = scratch.timeline() {
+                timelines.push(t.summary());
+            }
         }
     }
     std::hint::black_box(&out);
@@ -312,6 +318,7 @@ pub fn run(p: &BenchParams) -> Result<serde_json::Value> {
         "ms_per_call": total_secs / samples.len().max(1) as f64 * 1e3,
         "tokens_per_s": p.batch as f64 * samples.len() as f64 / total_secs,
         "fast_vs_exact": fast_vs_exact,
+        "timeline": super::timeline::CallSummary::medians_json(&timelines),
         "in_cache": {
             "note": "one thread, the kernels alone on rows that stay in cache (no memory stalls): the compute ceiling per core; ratio = threads x that rate / read bandwidth (below 1: the kernels, not memory, limit the decode)",
             "gate_up_gbps": in_cache_gu,

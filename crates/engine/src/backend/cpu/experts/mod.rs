@@ -29,11 +29,13 @@ pub mod dot;
 pub mod format;
 pub mod fused;
 pub mod pool;
+pub mod timeline;
 
 pub use format::RowFormat;
 use fused::Act;
 pub use fused::MathPath;
 pub use pool::ExpertPool;
+pub use timeline::CallTimeline;
 
 use super::ops::silu;
 use super::simd::Isa;
@@ -342,6 +344,8 @@ pub struct MoeScratch {
     /// Phase-1 tasks finished per active expert: the worker finishing an expert's last one
     /// prepares its pairs' `h` for the down rows, then marks the expert ready (one more).
     blocks_done: Vec<AtomicUsize>,
+    /// Per-worker marks of the last call, when a bench asked for them.
+    timeline: Option<CallTimeline>,
 }
 
 /// Prepared activation vectors (see [`fused::prepare`]), `k` values each. Every vector starts
@@ -462,7 +466,18 @@ impl MoeScratch {
                 .map(|_| SharedBuf::new(shape.hidden.max(shape.intermediate)))
                 .collect(),
             blocks_done: (0..max_pairs).map(|_| AtomicUsize::new(0)).collect(),
+            timeline: None,
         }
+    }
+
+    /// Records where each following call's time goes (see [`timeline`]), or stops.
+    pub fn record_timeline(&mut self, on: bool) {
+        self.timeline = on.then(|| CallTimeline::new(self.rows.len()));
+    }
+
+    /// The last call's marks, if recorded.
+    pub fn timeline(&self) -> Option<&CallTimeline> {
+        self.timeline.as_ref()
     }
 }
 
@@ -609,6 +624,9 @@ fn moe_experts_on(
         );
     }
 
+    if let Some(t) = scratch.timeline.as_mut() {
+        t.start();
+    }
     // Group pairs by expert (counting sort; expert order fixes the summation order).
     let s = &mut *scratch;
     s.counts.iter_mut().for_each(|c| *c = 0);
@@ -641,6 +659,7 @@ fn moe_experts_on(
         (&s.active, &s.active_start, &s.pairs, &s.h, &s.rows);
     let blocks_done = &s.blocks_done[..active.len()];
     let (x_act, h_act) = (&s.x_act, &s.h_act);
+    let timeline = s.timeline.as_ref();
     let empty = Act {
         f: &[],
         q: &[],
@@ -687,11 +706,19 @@ fn moe_experts_on(
         let scratch_row = unsafe { rows[worker].slice_mut(0..h_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
         let mut res = [0f32; 2 * GATE_UP_ROWS_PER_TASK * PAIRS_PER_CHUNK];
+        if let Some(tl) = timeline {
+            tl.entered(worker);
+        }
+        let mut taken = 0;
         loop {
             let t = next.fetch_add(1, Ordering::Relaxed);
             if t >= tasks {
+                if let Some(tl) = timeline {
+                    tl.gate_up_end(worker, taken);
+                }
                 break;
             }
+            taken += 1;
             let (a, blk) = (t / blocks_per_expert, t % blocks_per_expert);
             let e = active[a] as usize;
             let [mg, mu, _] = set.multipliers(e);
@@ -748,10 +775,15 @@ fn moe_experts_on(
     let out_buf = SharedOut(out.as_mut_ptr(), out.len());
     let out_ref = &out_buf;
     let d_row = l.down_row_bytes;
-    let wait_ready = |a: usize| {
-        let start = std::time::Instant::now();
+    let wait_ready = |a: usize, worker: usize| {
         // (No rows, no gate/up tasks: nothing to wait for.)
-        while blocks_per_expert > 0 && blocks_done[a].load(Ordering::Acquire) <= blocks_per_expert {
+        let ready =
+            || blocks_per_expert == 0 || blocks_done[a].load(Ordering::Acquire) > blocks_per_expert;
+        if ready() {
+            return;
+        }
+        let start = std::time::Instant::now();
+        while !ready() {
             if aborted.load(Ordering::Relaxed) {
                 panic!("moe_experts: a gate/up task panicked; the down rows cannot be computed");
             }
@@ -762,17 +794,25 @@ fn moe_experts_on(
                 std::thread::yield_now();
             }
         }
+        if let Some(tl) = timeline {
+            tl.waited(worker, start.elapsed().as_nanos() as u64);
+        }
     };
     let down_rows = |worker: usize| {
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..i_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
         let mut res = [0f32; DOWN_ROWS_PER_TASK * PAIRS_PER_CHUNK];
+        let mut taken = 0;
         loop {
             let t = next_down.fetch_add(1, Ordering::Relaxed);
             if t >= down_tasks {
+                if let Some(tl) = timeline {
+                    tl.down_end(worker, taken);
+                }
                 break;
             }
+            taken += 1;
             let (j0, j1) = (
                 t * DOWN_ROWS_PER_TASK,
                 ((t + 1) * DOWN_ROWS_PER_TASK).min(h_dim),
@@ -780,7 +820,7 @@ fn moe_experts_on(
             let start = set.row_range(ExpertMatrix::Down, j0).start;
             let rows_of = |e: u32| &set.record(e as usize)[start..start + (j1 - j0) * d_row];
             for (a, &e) in active.iter().enumerate() {
-                wait_ready(a);
+                wait_ready(a, worker);
                 // Each expert's rows here are a short run (16 Q2_0 rows of Flash-Next: 2.9 KB)
                 // in a new place: the next expert's first lines load while this one computes,
                 // instead of being waited for at its start.
@@ -814,6 +854,9 @@ fn moe_experts_on(
             }
         }
     };
+    if let Some(tl) = timeline {
+        tl.mark_published();
+    }
     if phase_barrier() {
         pool.run_after(&gate_up_tasks, first);
         pool.run(&down_rows);
@@ -825,6 +868,9 @@ fn moe_experts_on(
             },
             first,
         );
+    }
+    if let Some(tl) = timeline {
+        tl.mark_returned();
     }
     Ok(())
 }
