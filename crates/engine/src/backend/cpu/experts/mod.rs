@@ -486,6 +486,20 @@ impl MoeScratch {
 const GATE_UP_ROWS_PER_TASK: usize = 16;
 const DOWN_ROWS_PER_TASK: usize = 16;
 const PAIRS_PER_CHUNK: usize = 32;
+/// The most output rows a phase-2 task may take (`CAPY_DOWN_ROWS`, for measurements).
+const DOWN_ROWS_MAX: usize = 128;
+
+/// Output rows per phase-2 task: `CAPY_DOWN_ROWS` (a multiple of 16 up to 128) or 16.
+fn down_rows_per_task() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("CAPY_DOWN_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&r| r > 0 && r <= DOWN_ROWS_MAX && r % 16 == 0)
+            .unwrap_or(DOWN_ROWS_PER_TASK)
+    })
+}
 
 /// `out[t] += Σ_k weights[t·k] · expert_{ids[t·k]}(x[t])` for `n = x.len() / H` tokens, on
 /// the process's math path ([`fused::math_path`]: fast unless `CAPY_EXACT_MATH=1`).
@@ -770,7 +784,8 @@ fn moe_experts_on(
     // blocks of output rows, so each output element has one writer. A worker comes here only
     // once every gate/up task has been taken, so the experts it waits for are being finished
     // by workers that wait for nothing: no deadlock.
-    let down_tasks = h_dim.div_ceil(DOWN_ROWS_PER_TASK);
+    let down_per_task = down_rows_per_task();
+    let down_tasks = h_dim.div_ceil(down_per_task);
     let next_down = AtomicUsize::new(0);
     let out_buf = SharedOut(out.as_mut_ptr(), out.len());
     let out_ref = &out_buf;
@@ -802,7 +817,7 @@ fn moe_experts_on(
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..i_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
-        let mut res = [0f32; DOWN_ROWS_PER_TASK * PAIRS_PER_CHUNK];
+        let mut res = [0f32; DOWN_ROWS_MAX * PAIRS_PER_CHUNK];
         let mut taken = 0;
         loop {
             let t = next_down.fetch_add(1, Ordering::Relaxed);
@@ -813,10 +828,7 @@ fn moe_experts_on(
                 break;
             }
             taken += 1;
-            let (j0, j1) = (
-                t * DOWN_ROWS_PER_TASK,
-                ((t + 1) * DOWN_ROWS_PER_TASK).min(h_dim),
-            );
+            let (j0, j1) = (t * down_per_task, ((t + 1) * down_per_task).min(h_dim));
             let start = set.row_range(ExpertMatrix::Down, j0).start;
             let rows_of = |e: u32| &set.record(e as usize)[start..start + (j1 - j0) * d_row];
             for (a, &e) in active.iter().enumerate() {
