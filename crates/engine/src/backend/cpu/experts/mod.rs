@@ -16,9 +16,10 @@
 //! Work is split in phases on the [`ExpertPool`]: (0) tokens are prepared for the gate/up
 //! kernels; (1) tasks of (active expert, block of 16 gate/up row pairs) write
 //! `h = silu(g) · u` — at batch 1 the ~10 routed experts make ~400 tasks, so all cores stay
-//! busy; (1b) each pair's `h` is prepared for the down kernels; (2) tasks of blocks of 16
-//! output rows run over every active expert's down rows, in expert order, so each output
-//! element has one writer and the result does not depend on the thread count. Phases 1 and
+//! busy; (1b) each pair's `h` is prepared for the down kernels; (2) tasks of blocks of output
+//! rows (16 to 64, about 2.5 tasks a worker) run over every active expert's down rows, in
+//! expert order, so each output element has one writer and the result does not depend on the
+//! thread count. Phases 1 and
 //! 2 are one pool job: a worker that finds no gate/up task left starts on the down rows, and
 //! waits only where an expert's `h` is not ready yet; there is no barrier between them, so
 //! the last gate/up tasks overlap the first down rows (a barrier and the wait for the
@@ -481,23 +482,34 @@ impl MoeScratch {
     }
 }
 
-/// Gate/up row pairs per phase-1 task, output rows per phase-2 task, and the most pairs of
-/// one expert handed to a kernel at once.
+/// Gate/up row pairs per phase-1 task, and the most pairs of one expert handed to a kernel at
+/// once.
 const GATE_UP_ROWS_PER_TASK: usize = 16;
-const DOWN_ROWS_PER_TASK: usize = 16;
 const PAIRS_PER_CHUNK: usize = 32;
-/// The most output rows a phase-2 task may take (`CAPY_DOWN_ROWS`, for measurements).
+/// The most output rows a phase-2 task takes by default, and with `CAPY_DOWN_ROWS`.
+const DOWN_ROWS_DEFAULT_MAX: usize = 64;
 const DOWN_ROWS_MAX: usize = 128;
 
-/// Output rows per phase-2 task: `CAPY_DOWN_ROWS` (a multiple of 16 up to 128) or 16.
-fn down_rows_per_task() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
+/// Output rows per phase-2 task for `h_dim` rows on `workers` workers: about 2.5 tasks a
+/// worker, a multiple of 16 from 16 to 64 (64 for Flash-Next on 16 cores); `CAPY_DOWN_ROWS` (a
+/// multiple of 16 up to 128) overrides it, to measure.
+///
+/// Why: a task runs over every active expert's rows, and each expert's short run of them (16
+/// Q2_0 rows of Flash-Next are 2.9 KB) cost about a microsecond more than its bytes on the
+/// 16-core box. There 64-row tasks made top-3 calls 1.28x and top-10 calls 1.14x faster than
+/// 16-row ones (`bench/results/cpu-experts-iq3_s-down-rows-timeline-h100box.json`). Fewer,
+/// larger tasks would leave workers idle at the end: hence ~2.5 a worker.
+fn down_rows_per_task(h_dim: usize, workers: usize) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
         std::env::var("CAPY_DOWN_ROWS")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|&r| r > 0 && r <= DOWN_ROWS_MAX && r % 16 == 0)
-            .unwrap_or(DOWN_ROWS_PER_TASK)
+    });
+    forced.unwrap_or_else(|| {
+        let per_task = 2 * h_dim / (5 * workers.max(1));
+        (per_task / 16 * 16).clamp(16, DOWN_ROWS_DEFAULT_MAX)
     })
 }
 
@@ -784,7 +796,7 @@ fn moe_experts_on(
     // blocks of output rows, so each output element has one writer. A worker comes here only
     // once every gate/up task has been taken, so the experts it waits for are being finished
     // by workers that wait for nothing: no deadlock.
-    let down_per_task = down_rows_per_task();
+    let down_per_task = down_rows_per_task(h_dim, pool.threads());
     let down_tasks = h_dim.div_ceil(down_per_task);
     let next_down = AtomicUsize::new(0);
     let out_buf = SharedOut(out.as_mut_ptr(), out.len());
@@ -922,6 +934,22 @@ mod tests {
 
     /// Every prepared activation vector starts on a 64-byte boundary, whatever `k`, and the
     /// vectors do not overlap.
+    #[test]
+    fn down_tasks_are_about_two_and_a_half_a_worker_in_whole_16_row_steps() {
+        if std::env::var("CAPY_DOWN_ROWS").is_ok() {
+            eprintln!("skipping: CAPY_DOWN_ROWS is set");
+            return;
+        }
+        // Flash-Next's 2560 rows: 40 tasks of 64 on 16 workers, 80 of 32 on 32.
+        assert_eq!(down_rows_per_task(2560, 16), 64);
+        assert_eq!(down_rows_per_task(2560, 32), 32);
+        assert_eq!(down_rows_per_task(2560, 64), 16);
+        // Capped at 64 with few workers, at least 16 with many or few rows.
+        assert_eq!(down_rows_per_task(2560, 2), 64);
+        assert_eq!(down_rows_per_task(2560, 128), 16);
+        assert_eq!(down_rows_per_task(512, 16), 16);
+    }
+
     #[test]
     fn activation_vectors_start_on_cache_lines() {
         for k in [64, 100, 640, 2560] {
