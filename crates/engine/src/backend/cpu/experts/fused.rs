@@ -500,7 +500,9 @@ mod x86 {
             let natural = ways == 1;
             let mut m = _mm256_setzero_ps();
             for c in xb.chunks_exact(8) {
-                m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(c.as_ptr()), abs_mask));
+                // `maxps` returns its second operand where either is NaN: NaNs are skipped,
+                // as `f32::max` skips them in the scalar fold.
+                m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(c.as_ptr()), abs_mask), m);
             }
             let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
             let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -519,6 +521,8 @@ mod x86 {
                 let biased =
                     _mm256_add_ps(y, _mm256_or_ps(_mm256_and_ps(y, sign_mask), below_half));
                 let r = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(biased);
+                // NaN (an infinite x times a zero inverse scale) becomes 0, as `NaN as i8` does.
+                let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
                 let i = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
                 sum = _mm256_add_epi32(sum, i);
                 // i32 → i8 without saturation effects (|i| ≤ 127): lanes 0–3 and 4–7 land
@@ -2129,6 +2133,11 @@ mod tests {
                 };
             }
             x[2 * qb..3 * qb].iter_mut().for_each(|v| *v = 0.0);
+            // Non-finite values: a NaN is skipped by the block maximum, an infinity makes the
+            // block's inverse scale 0.
+            x[3 * qb + 5] = f32::NAN;
+            x[4 * qb + 7] = f32::INFINITY;
+            x[4 * qb + 9] = f32::NEG_INFINITY;
             let n = ActSpec::scales_len(spec.k);
             let run = |vector: bool| {
                 let (mut q, mut s, mut sums) = (vec![0i8; spec.k], vec![0f32; n], vec![0f32; n]);

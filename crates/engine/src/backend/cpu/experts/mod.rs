@@ -19,11 +19,11 @@
 //! busy; (1b) each pair's `h` is prepared for the down kernels; (2) tasks of blocks of output
 //! rows (16 to 64, about 2.5 tasks a worker) run over every active expert's down rows, in
 //! expert order, so each output element has one writer and the result does not depend on the
-//! thread count. Phases 1 and
-//! 2 are one pool job: a worker that finds no gate/up task left starts on the down rows, and
-//! waits only where an expert's `h` is not ready yet; there is no barrier between them, so
-//! the last gate/up tasks overlap the first down rows (a barrier and the wait for the
-//! slowest task were a fixed cost of every call, measured on the 16-core box).
+//! thread count. Phases 1 and 2 are one pool job: a worker that finds no gate/up task left
+//! starts on the down rows, and waits only where an expert's `h` is not ready yet; there is no
+//! barrier between them, so the last gate/up tasks overlap the first down rows (a barrier and
+//! the wait for the slowest task were a fixed cost of every call, measured on the 16-core
+//! box).
 
 pub mod bench;
 pub mod dot;
