@@ -13,6 +13,7 @@ use super::expert_cache::{ExpertCache, ExpertCacheConfig, ExpertCacheStats};
 use super::experts::{upload, ForwardTimes, HybridExperts, Placement};
 use super::zipf::ZipfRouter;
 use crate::backend::cpu::experts::bench::read_bandwidth;
+use crate::backend::cpu::experts::timeline::CallSummary;
 use crate::backend::cpu::experts::{ExpertLayout, ExpertPool, ExpertSet, ExpertShape, RowFormat};
 use crate::backend::cpu::simd::Isa;
 use crate::backend::{Backend, MoeRouting};
@@ -70,6 +71,8 @@ struct RunFigures {
     admissions_bytes_per_token: f64,
     /// The timed tokens' phases, summed over layers.
     times: ForwardTimes,
+    /// The timed tokens' CPU experts calls, each call's timeline.
+    cpu_calls: Vec<CallSummary>,
 }
 
 fn run_once<B: Backend>(
@@ -101,6 +104,9 @@ fn run_once<B: Backend>(
             )
         })
         .collect::<Result<_>>()?;
+    for l in &layers {
+        l.record_cpu_calls();
+    }
     let mut router = ZipfRouter::new(o.layers, o.experts, o.top_k, o.zipf_exponent, o.seed);
     let x_host: Vec<f32> = (0..o.hidden)
         .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
@@ -126,6 +132,10 @@ fn run_once<B: Backend>(
         t
     };
     let times_before = times_of(&layers);
+    let take_cpu_calls = |layers: &[HybridExperts<B>]| -> Vec<CallSummary> {
+        layers.iter().flat_map(|l| l.take_cpu_calls()).collect()
+    };
+    take_cpu_calls(&layers); // the warm-up's
     let routes: Vec<Vec<MoeRouting>> = (0..o.tokens)
         .map(|_| (0..o.layers).map(|l| router.route(l, 1)).collect())
         .collect();
@@ -138,6 +148,7 @@ fn run_once<B: Backend>(
     }
     let seconds = t0.elapsed().as_secs_f64();
     let times_after = times_of(&layers);
+    let cpu_calls = take_cpu_calls(&layers);
     let after = cache.lock().expect("cache").stats();
     let stats = ExpertCacheStats {
         lookups: after.lookups - before.lookups,
@@ -153,6 +164,7 @@ fn run_once<B: Backend>(
         admissions_bytes_per_token: stats.admissions as f64 * expert_bytes / o.tokens as f64,
         stats,
         times: times_after.since(&times_before),
+        cpu_calls,
     })
 }
 
@@ -280,6 +292,7 @@ pub fn run<B: Backend>(b: &B, o: &HybridBenchOptions) -> Result<Value> {
             "cpu_bandwidth_ratio": host_per_token * expert_bytes / f.seconds_per_token / ram_bandwidth,
             "where_the_time_goes": where_the_time_goes(f, o.tokens, scale, host_per_token * expert_bytes / ram_bandwidth * scale),
             "token_time_spread": token_time_spread(&f.token_seconds, scale, roofline_s),
+            "cpu_call_timeline": CallSummary::medians_json(&f.cpu_calls),
         })
     };
     eprintln!(
@@ -406,6 +419,21 @@ mod tests {
             let whole = run["moe_seconds_per_token"].as_f64().unwrap();
             assert!(mean > 0.0 && mean <= whole * (1.0 + 1e-9), "{mean} {whole}");
         }
+        // Both runs record each CPU call's timeline; its marks come in order. Without the
+        // cache every layer of every timed token calls the CPU.
+        for run in [with, cpu] {
+            let t = &run["cpu_call_timeline"];
+            assert!(t["calls"].as_u64().unwrap() > 0, "{t}");
+            let f = |k: &str| t[k].as_f64().unwrap_or_else(|| panic!("{k} in {t}"));
+            assert!(f("before_job_us") <= f("gate_up_end_last_us"), "{t}");
+            assert!(f("gate_up_end_last_us") <= f("down_end_last_us"), "{t}");
+            assert!(f("down_end_last_us") <= f("total_us"), "{t}");
+        }
+        assert_eq!(
+            cpu["cpu_call_timeline"]["calls"],
+            2 * 16,
+            "2 layers × 16 tokens"
+        );
         // The phases are measured parts of the token's time: none negative, the CPU's share
         // present wherever experts ran on the CPU, and together no more than the whole once
         // the resident queuing done inside the CPU phase is counted once.

@@ -13,7 +13,7 @@
 use super::expert_cache::ExpertCache;
 use super::split::split_routing;
 use crate::backend::cpu::experts::{
-    self, ExpertMatrix, ExpertPool, ExpertSet, ExpertShape, MoeScratch,
+    self, timeline::CallSummary, ExpertMatrix, ExpertPool, ExpertSet, ExpertShape, MoeScratch,
 };
 use crate::backend::cpu::simd::Isa;
 use crate::backend::{Backend, ExpertMatrices, HostPin, MoeRouting};
@@ -110,6 +110,8 @@ struct Resident<M> {
     scratch: Option<MoeScratch>,
     /// Routed pairs the scratch was sized for.
     scratch_pairs: usize,
+    /// The CPU calls' timelines since the last take, where a bench asked for them.
+    cpu_calls: Option<Vec<CallSummary>>,
     /// The backend refused a copy (its memory budget is full): no more copies are tried, the
     /// rest of this layer's experts run on the host.
     upload_refused: bool,
@@ -221,6 +223,7 @@ impl<B: Backend> HybridExperts<B> {
             slot_of: vec![None; host.experts],
             scratch: None,
             scratch_pairs: 0,
+            cpu_calls: None,
             upload_refused: false,
             times: ForwardTimes::default(),
         };
@@ -281,6 +284,21 @@ impl<B: Backend> HybridExperts<B> {
     /// Where this layer's calls spent their time so far.
     pub fn times(&self) -> ForwardTimes {
         self.state.lock().expect("expert state").times
+    }
+
+    /// Records the timeline of each following CPU experts call (see
+    /// [`crate::backend::cpu::experts::timeline`]), for [`Self::take_cpu_calls`].
+    pub fn record_cpu_calls(&self) {
+        self.state.lock().expect("expert state").cpu_calls = Some(Vec::new());
+    }
+
+    /// The CPU calls' timelines recorded since the last take (none unless recording).
+    pub fn take_cpu_calls(&self) -> Vec<CallSummary> {
+        let mut st = self.state.lock().expect("expert state");
+        st.cpu_calls
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 }
 
@@ -408,6 +426,10 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                     ));
                     st.scratch_pairs = n * h.top_k;
                 }
+                let scratch = st.scratch.as_mut().expect("sized above");
+                if st.cpu_calls.is_some() && scratch.timeline().is_none() {
+                    scratch.record_timeline(true);
+                }
                 let mut y = vec![0f32; n * hidden];
                 let mut queued = None;
                 experts::moe_experts_overlapping(
@@ -419,7 +441,7 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                     &h.weights,
                     h.top_k,
                     &mut y,
-                    st.scratch.as_mut().expect("sized above"),
+                    scratch,
                     || {
                         let (out, caller_s, resident_s) = queue_device();
                         let submit_start = Instant::now();
@@ -430,6 +452,9 @@ impl<B: Backend> RoutedExperts<B> for HybridExperts<B> {
                 )
                 .expect("host experts: shapes were checked at load");
                 t.cpu_experts_s = lap();
+                if let (Some(calls), Some(timeline)) = (st.cpu_calls.as_mut(), scratch.timeline()) {
+                    calls.push(timeline.summary());
+                }
                 let (mut out, caller_s, resident_s) =
                     queued.expect("the pool runs the caller's work");
                 t.caller_queue_s = caller_s;
