@@ -43,6 +43,7 @@ use super::simd::Isa;
 use anyhow::{bail, Result};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Expert sizes: `hidden` (H, the model width) and `intermediate` (I).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -482,17 +483,35 @@ impl MoeScratch {
     }
 }
 
-/// Gate/up row pairs per phase-1 task, and the most pairs of one expert handed to a kernel at
-/// once.
+/// Gate/up row pairs per phase-1 task (`CAPY_GATE_UP_ROWS` overrides it, to measure), and the
+/// most pairs of one expert handed to a kernel at once.
 const GATE_UP_ROWS_PER_TASK: usize = 16;
 const PAIRS_PER_CHUNK: usize = 32;
-/// The most output rows a phase-2 task takes by default, and with `CAPY_DOWN_ROWS`.
+/// The most output rows a phase-2 task takes by default; the most rows of either kind of task
+/// an override may ask for.
 const DOWN_ROWS_DEFAULT_MAX: usize = 64;
-const DOWN_ROWS_MAX: usize = 128;
+const TASK_ROWS_MAX: usize = 128;
+
+/// A task size forced by the environment variable `var`: a multiple of 16 up to
+/// [`TASK_ROWS_MAX`]; anything else is ignored. Read once per variable.
+fn task_rows_override(var: &'static str, cell: &'static OnceLock<Option<usize>>) -> Option<usize> {
+    *cell.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&r| r > 0 && r <= TASK_ROWS_MAX && r % 16 == 0)
+    })
+}
+
+/// Gate/up row pairs per phase-1 task: 16, or `CAPY_GATE_UP_ROWS`.
+fn gate_up_rows_per_task() -> usize {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    task_rows_override("CAPY_GATE_UP_ROWS", &FORCED).unwrap_or(GATE_UP_ROWS_PER_TASK)
+}
 
 /// Output rows per phase-2 task for `h_dim` rows on `workers` workers: about 2.5 tasks a
-/// worker, a multiple of 16 from 16 to 64 (64 for Flash-Next on 16 cores); `CAPY_DOWN_ROWS` (a
-/// multiple of 16 up to 128) overrides it, to measure.
+/// worker, a multiple of 16 from 16 to 64 (64 for Flash-Next on 16 cores); `CAPY_DOWN_ROWS`
+/// overrides it, to measure.
 ///
 /// Why: a task runs over every active expert's rows, and each expert's short run of them (16
 /// Q2_0 rows of Flash-Next are 2.9 KB) cost about a microsecond more than its bytes on the
@@ -500,14 +519,8 @@ const DOWN_ROWS_MAX: usize = 128;
 /// 16-row ones (`bench/results/cpu-experts-iq3_s-down-rows-timeline-h100box.json`). Fewer,
 /// larger tasks would leave workers idle at the end: hence ~2.5 a worker.
 fn down_rows_per_task(h_dim: usize, workers: usize) -> usize {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        std::env::var("CAPY_DOWN_ROWS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&r| r > 0 && r <= DOWN_ROWS_MAX && r % 16 == 0)
-    });
-    forced.unwrap_or_else(|| {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    task_rows_override("CAPY_DOWN_ROWS", &FORCED).unwrap_or_else(|| {
         let per_task = 2 * h_dim / (5 * workers.max(1));
         (per_task / 16 * 16).clamp(16, DOWN_ROWS_DEFAULT_MAX)
     })
@@ -719,7 +732,8 @@ fn moe_experts_on(
     // Phase 1: h[pair] = silu(gate · x) ⊙ (up · x); tasks are (expert, block of row pairs),
     // so the ~10 experts of a decode step spread over every core. Tasks come from a counter,
     // so the caller's `first` only leaves it fewer of them.
-    let blocks_per_expert = i_dim.div_ceil(GATE_UP_ROWS_PER_TASK);
+    let gate_up_per_task = gate_up_rows_per_task();
+    let blocks_per_expert = i_dim.div_ceil(gate_up_per_task);
     let tasks = active.len() * blocks_per_expert;
     let next = AtomicUsize::new(0);
     // Set when a gate/up task unwinds: its expert never becomes ready, and the down tasks
@@ -731,7 +745,7 @@ fn moe_experts_on(
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..h_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
-        let mut res = [0f32; 2 * GATE_UP_ROWS_PER_TASK * PAIRS_PER_CHUNK];
+        let mut res = [0f32; 2 * TASK_ROWS_MAX * PAIRS_PER_CHUNK];
         if let Some(tl) = timeline {
             tl.entered(worker);
         }
@@ -750,8 +764,8 @@ fn moe_experts_on(
             let [mg, mu, _] = set.multipliers(e);
             let (p0, p1) = (active_start[a] as usize, active_start[a + 1] as usize);
             let (i0, i1) = (
-                blk * GATE_UP_ROWS_PER_TASK,
-                ((blk + 1) * GATE_UP_ROWS_PER_TASK).min(i_dim),
+                blk * gate_up_per_task,
+                ((blk + 1) * gate_up_per_task).min(i_dim),
             );
             // Gate and up rows are interleaved: rows 2·i0 .. 2·i1 are contiguous.
             let start = set.row_range(ExpertMatrix::Gate, i0).start;
@@ -829,7 +843,7 @@ fn moe_experts_on(
         // SAFETY: each worker uses only its own row buffer.
         let scratch_row = unsafe { rows[worker].slice_mut(0..i_dim) };
         let mut acts = [empty; PAIRS_PER_CHUNK];
-        let mut res = [0f32; DOWN_ROWS_MAX * PAIRS_PER_CHUNK];
+        let mut res = [0f32; TASK_ROWS_MAX * PAIRS_PER_CHUNK];
         let mut taken = 0;
         loop {
             let t = next_down.fetch_add(1, Ordering::Relaxed);
