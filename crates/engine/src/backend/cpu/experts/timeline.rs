@@ -97,18 +97,20 @@ impl CallTimeline {
     /// This call's summary, in microseconds.
     pub fn summary(&self) -> CallSummary {
         let us = |ns: u64| ns as f64 / 1e3;
-        let get = |f: fn(&WorkerMarks) -> &AtomicU64| -> Vec<f64> {
+        // One mark of every worker, in `unit`s (1e3: ns to µs; 1: a count).
+        let get = |f: fn(&WorkerMarks) -> &AtomicU64, unit: f64| -> Vec<f64> {
             self.workers
                 .iter()
-                .map(|w| us(f(w).load(Ordering::Relaxed)))
+                .map(|w| f(w).load(Ordering::Relaxed) as f64 / unit)
                 .collect()
         };
         let (entered, gu_end, waited, down_end) = (
-            get(|w| &w.entered),
-            get(|w| &w.gate_up_end),
-            get(|w| &w.waited),
-            get(|w| &w.down_end),
+            get(|w| &w.entered, 1e3),
+            get(|w| &w.gate_up_end, 1e3),
+            get(|w| &w.waited, 1e3),
+            get(|w| &w.down_end, 1e3),
         );
+        let (gu_tasks, down_tasks) = (get(|w| &w.gate_up_tasks, 1.0), get(|w| &w.down_tasks, 1.0));
         let max = |v: &[f64]| v.iter().copied().fold(f64::MIN, f64::max);
         let min = |v: &[f64]| v.iter().copied().fold(f64::MAX, f64::min);
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -120,13 +122,6 @@ impl CallTimeline {
         let busy: f64 = (0..self.workers.len())
             .map(|w| (down_end[w] - entered[w] - waited[w]).max(0.0))
             .sum();
-        let task_counts = |f: fn(&WorkerMarks) -> &AtomicU64| -> Vec<f64> {
-            self.workers
-                .iter()
-                .map(|w| f(w).load(Ordering::Relaxed) as f64)
-                .collect()
-        };
-        let gu_tasks = task_counts(|w| &w.gate_up_tasks);
         CallSummary {
             total_us: total,
             before_job_us: published,
@@ -141,6 +136,7 @@ impl CallTimeline {
             join_us: total - last_down,
             busy_ratio: busy / (n * total).max(1e-9),
             gate_up_tasks_max_over_mean_ratio: max(&gu_tasks) / mean(&gu_tasks).max(1e-9),
+            down_tasks_max_over_mean_ratio: max(&down_tasks) / mean(&down_tasks).max(1e-9),
         }
     }
 }
@@ -161,10 +157,11 @@ pub struct CallSummary {
     pub join_us: f64,
     pub busy_ratio: f64,
     pub gate_up_tasks_max_over_mean_ratio: f64,
+    pub down_tasks_max_over_mean_ratio: f64,
 }
 
 impl CallSummary {
-    fn fields(&self) -> [(&'static str, f64); 13] {
+    fn fields(&self) -> [(&'static str, f64); 14] {
         [
             ("total_us", self.total_us),
             ("before_job_us", self.before_job_us),
@@ -182,6 +179,10 @@ impl CallSummary {
                 "gate_up_tasks_max_over_mean_ratio",
                 self.gate_up_tasks_max_over_mean_ratio,
             ),
+            (
+                "down_tasks_max_over_mean_ratio",
+                self.down_tasks_max_over_mean_ratio,
+            ),
         ]
     }
 
@@ -189,7 +190,7 @@ impl CallSummary {
     pub fn medians_json(calls: &[CallSummary]) -> serde_json::Value {
         let mut out = serde_json::Map::new();
         out.insert("note".into(), json!(
-            "medians over the timed calls, microseconds from the call's start: before_job = grouping and token preparation on the caller; start_skew = workers' entry after the job was published (mean, max); gate_up_end = when workers ran out of gate/up tasks (first, last); wait = time a worker spun for an expert's h (mean, max over workers); down_end = when workers finished their down rows (first, last); join = the caller's return after the last worker; busy_ratio = the workers' computing time (entry to end less waits) over threads x total"
+            "medians over the timed calls, microseconds from the call's start: before_job = grouping and token preparation on the caller; start_skew = workers' entry after the job was published (mean, max); gate_up_end = when workers ran out of gate/up tasks (first, last); wait = time a worker spun for an expert's h (mean, max over workers); down_end = when workers finished their down rows (first, last); join = the caller's return after the last worker; busy_ratio = the workers' computing time (entry to end less waits) over threads x total; *_tasks_max_over_mean = the most tasks a worker took over the mean"
         ));
         out.insert("calls".into(), json!(calls.len()));
         if calls.is_empty() {
@@ -226,6 +227,7 @@ mod tests {
             m.waited.store(wait, Ordering::Relaxed);
             m.down_end.store(d, Ordering::Relaxed);
             m.gate_up_tasks.store(2 + 2 * w as u64, Ordering::Relaxed);
+            m.down_tasks.store(3 - w as u64, Ordering::Relaxed);
         }
         t.returned.store(45_000, Ordering::Relaxed);
         let s = t.summary();
@@ -243,6 +245,7 @@ mod tests {
         // Busy: (40 - 11 - 1) + (44 - 13 - 3) = 56 µs of 2 x 45.
         assert!((s.busy_ratio - 56.0 / 90.0).abs() < 1e-12);
         assert!((s.gate_up_tasks_max_over_mean_ratio - 4.0 / 3.0).abs() < 1e-12);
+        assert!((s.down_tasks_max_over_mean_ratio - 3.0 / 2.5).abs() < 1e-12);
         let j = CallSummary::medians_json(&[s, s, s]);
         assert_eq!(j["calls"], 3);
         assert_eq!(j["join_us"], 1.0);
